@@ -1,0 +1,1 @@
+"""Router traces: the on-disk format, synthetic traces, importers, capture and the moe-trace CLI."""
