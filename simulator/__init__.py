@@ -1,0 +1,1 @@
+"""Discrete-event simulator of MoE expert offloading driven by router traces."""
