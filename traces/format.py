@@ -84,3 +84,48 @@ class TraceChunk:
     @property
     def num_tokens(self) -> int:
         return int(self.seq.shape[0])
+
+
+class ArraySource:
+    """An in-memory trace: one :class:`TraceChunk` served in chunks of whole groups.
+
+    Implements the chunk-source protocol the engines read (``meta`` and a re-iterable
+    ``iter_chunks``), like the Parquet reader does.
+    """
+
+    def __init__(self, meta: TraceMeta, chunk: TraceChunk):
+        self.meta = meta
+        self.chunk = chunk
+
+    def iter_chunks(self, max_tokens: int | None = None):
+        """Yield sub-chunks of at most ``max_tokens`` tokens (more if one group is longer)."""
+        c = self.chunk
+        n = c.num_tokens
+        if max_tokens is None or max_tokens >= n:
+            yield c
+            return
+        start = 0
+        while start < n:
+            stop = min(start + max_tokens, n)
+            # extend to the end of the group that straddles the cut
+            while stop < n and c.group[stop] == c.group[stop - 1]:
+                stop += 1
+            yield slice_chunk(c, start, stop)
+            start = stop
+
+
+def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
+    """Tokens [start, stop) of a chunk, as a chunk (views, no copies)."""
+    return TraceChunk(
+        seq=c.seq[start:stop],
+        pos=c.pos[start:stop],
+        phase=c.phase[start:stop],
+        group=c.group[start:stop],
+        domain=c.domain[start:stop],
+        token_id=c.token_id[start:stop],
+        experts=c.experts[start:stop],
+        gates=c.gates[start:stop],
+        logits=c.logits[start:stop] if c.logits.shape[0] else c.logits,
+        residency=c.residency[start:stop] if c.residency.shape[0] else c.residency,
+        nll=None if c.nll is None else c.nll[start:stop],
+    )
