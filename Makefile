@@ -1,0 +1,46 @@
+# Two set-up commands work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+DEMO_TRACE ?= traces/samples/fixture.parquet
+DEMO_DIR ?= runs/demo
+POLICIES ?= fetch_all,rule015,first_choice,quality_first,speed_first
+
+.PHONY: env env-capture demo test lint bench paper import-route clean
+
+# The environment: created once, re-installed when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,sweep,bench]'
+	touch $@
+
+env: $(VENV)/.installed
+
+# GPU-host tools (capture, calibrate, replay, emulate) need torch; bring your own CUDA build,
+# or TORCH='torch==2.13.0' for the CPU build these tests use.
+TORCH ?= torch
+env-capture: env
+	$(PY) -m pip install -q '$(TORCH)'
+	$(PY) -m pip install -q -e '.[capture]'
+
+# The headline comparison on the bundled trace: five strategies at 25 % resident.
+demo: env
+	@test -f $(DEMO_TRACE) || $(BIN)/moe-trace synth $(DEMO_TRACE) --tokens 4000 --layers 16 --experts 128 --top-k 8 --seed 0 --logits full
+	rm -rf $(DEMO_DIR)
+	$(BIN)/moe-sim -m trace.path=$(DEMO_TRACE) policy=$(POLICIES) cache.fraction=0.25 hydra.sweep.dir=$(DEMO_DIR)
+	$(BIN)/moe-report $(DEMO_DIR) --table
+
+test: env
+	$(PY) -m pytest -q
+
+lint: env
+	$(BIN)/ruff check simulator traces analysis tests
+
+# Import the public Qwen3-30B-A3B route trace that sits beside the project (../shared/traces).
+import-route: env
+	$(BIN)/moe-trace import route-csv ../shared/traces/qwen3-30b-a3b.route.csv traces/samples/qwen3-30b-a3b.route.parquet --force
+
+clean:
+	rm -rf runs multirun outputs .pytest_cache
