@@ -1,0 +1,161 @@
+"""Config composition and validation: presets, overrides, hardware profiles, impossible sizes."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from simulator.engine.params import EVICTIONS, MISS_ACTIONS, SUBSTITUTE_BY
+from simulator.hardware import layer_times, validate_profile
+from simulator.run import build_params, compose, model_sizes
+from traces.errors import InputError
+from traces.format import TraceMeta
+
+POLICIES = ["fetch_all", "rule015", "first_choice", "substitute_all", "quality_first", "speed_first", "cpu_offload"]
+
+
+def meta(L=4, E=16, k=2, logits=True, expert_bytes=1000):
+    return TraceMeta(
+        model="toy", num_layers=L, num_experts=E, top_k=k, expert_bytes=[expert_bytes] * L, has_logits=logits
+    )
+
+
+def cfg(*overrides):
+    return OmegaConf.to_container(compose(list(overrides)), resolve=True)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_preset_composes_and_builds(name):
+    c = cfg(f"policy={name}")
+    params, _ = build_params(c, meta())
+    assert c["policy"]["name"] == name
+    assert params.top_k == 2
+
+
+def test_presets_encode_the_papers_rules():
+    rules = {n: cfg(f"policy={n}") for n in POLICIES}
+    assert (rules["fetch_all"]["policy"]["protect_ranks"], rules["fetch_all"]["policy"]["tau"]) == (0, 0.0)
+    assert (rules["rule015"]["policy"]["protect_ranks"], rules["rule015"]["policy"]["tau"]) == (1, 0.15)
+    assert rules["first_choice"]["policy"]["protect_ranks"] == 1 and math.isinf(rules["first_choice"]["policy"]["tau"])
+    assert rules["substitute_all"]["policy"]["protect_ranks"] == 0 and math.isinf(rules["substitute_all"]["policy"]["tau"])
+    for combo, base in (("quality_first", "rule015"), ("speed_first", "first_choice")):
+        c = rules[combo]
+        assert c["cache"]["eviction"] == "lfu" and c["admission"]["beta"] == 0.5
+        assert c["policy"]["tau"] == rules[base]["policy"]["tau"]
+    assert rules["fetch_all"]["admission"]["beta"] is None
+    assert rules["cpu_offload"]["policy"]["miss_action"] == "cpu"
+
+
+def test_command_line_overrides_win_over_presets():
+    c = cfg("policy=quality_first", "cache.eviction=lru", "admission.beta=0.25", "policy.tau=0.3")
+    params, _ = build_params(c, meta())
+    assert params.eviction == EVICTIONS["lru"]
+    assert params.beta == 0.25 and params.tau == 0.3
+
+
+def test_substitute_by_auto_follows_logits():
+    c = cfg("policy=rule015")
+    assert build_params(c, meta(logits=True))[0].substitute_by == SUBSTITUTE_BY["logit"]
+    p, name = build_params(c, meta(logits=False))
+    assert p.substitute_by == SUBSTITUTE_BY["frequency"] and name == "frequency"
+    with pytest.raises(InputError, match="policy.substitute_by"):
+        build_params(cfg("policy=rule015", "policy.substitute_by=logit"), meta(logits=False))
+
+
+def test_cache_budgets_per_layer_and_global():
+    p, _ = build_params(cfg("cache.fraction=0.25"), meta(E=16, expert_bytes=1000))
+    assert p.pool_budget_bytes.tolist() == [4000] * 4
+    p, _ = build_params(cfg("cache=global", "cache.fraction=0.5"), meta(L=4, E=16, expert_bytes=1000))
+    assert p.pool_budget_bytes.tolist() == [32_000]
+    p, _ = build_params(cfg("cache=global", "cache.budget_bytes=5000"), meta())
+    assert p.pool_budget_bytes.tolist() == [5000]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["cache.fraction=0"], "cache.fraction"),
+        (["cache.fraction=1.5"], "cache.fraction"),
+        (["cache.fraction=0.01"], "cache.fraction"),  # < one expert per layer of 16
+        (["cache=global", "cache.budget_bytes=999"], "cache.budget_bytes"),
+        (["cache.budget_bytes=5000"], "cache.budget_bytes"),  # per_layer scope
+        (["cache.eviction=mru"], "cache.eviction"),
+        (["cache.scope=sharded"], "cache.scope"),
+        (["policy.miss_action=drop"], "policy.miss_action"),
+        (["policy.tau=-1"], "policy.tau"),
+        (["admission.beta=0"], "admission.beta"),
+        (["cache.lfu_decay=1.5"], "cache.lfu_decay"),
+    ],
+)
+def test_impossible_configs_fail_with_one_line_naming_the_field(overrides, field):
+    with pytest.raises(InputError) as err:
+        build_params(cfg(*overrides), meta())
+    message = str(err.value)
+    assert field in message and "\n" not in message
+
+
+def test_model_preset_scales_the_trace_sizes():
+    c = cfg("model=qwen3_next_80b_a3b")
+    name, expert, dense = model_sizes(c["model"], meta(L=3))
+    assert name == "qwen3_next_80b_a3b"
+    assert expert.tolist() == [2048 * 512 * 3 * 2] * 3
+    assert (dense > 0).all()
+    name, expert, dense = model_sizes(cfg()["model"], meta(L=3, expert_bytes=777))
+    assert name == "toy" and expert.tolist() == [777] * 3 and dense.tolist() == [0, 0, 0]
+
+
+def test_cpu_offload_params():
+    p, _ = build_params(cfg("policy=cpu_offload"), meta())
+    assert p.miss_action == MISS_ACTIONS["cpu"] and p.warmup_tokens == 256
+
+
+# --- hardware profiles -------------------------------------------------------------------
+
+
+@pytest.fixture
+def profile():
+    return cfg()["hardware"]
+
+
+def test_shipped_profiles_validate():
+    for name in ("h200_pcie5", "rtx3090_pcie4"):
+        validate_profile(cfg(f"hardware={name}")["hardware"])
+    assert cfg("hardware=rtx3090_pcie4")["hardware"]["source"] == "datasheet"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda p: p["pcie"].pop("bandwidth_gbps"), "hardware.pcie.bandwidth_gbps"),
+        (lambda p: p.pop("gpu"), "hardware.gpu"),
+        (lambda p: p["pcie"].__setitem__("bandwidth_gbps", -5.0), "hardware.pcie.bandwidth_gbps"),
+        (lambda p: p["ssd"].__setitem__("bandwidth_gbps", 0), "hardware.ssd.bandwidth_gbps"),
+        (lambda p: p["pcie"].__setitem__("bandwidth_mbps", 5.0), "hardware.pcie.bandwidth_mbps"),
+        (lambda p: p["gpu"].__setitem__("expert_fixed_us", "15 ms"), "hardware.gpu.expert_fixed_us"),
+        (lambda p: p.__setitem__("source", "guess"), "hardware.source"),
+        (lambda p: p.__setitem__("compute", {"m": {"gpu_expert_ms": 3}}), "hardware.compute.m.gpu_expert_ms"),
+    ],
+)
+def test_bad_profiles_fail_with_one_line(profile, mutate, field):
+    bad = copy.deepcopy(profile)
+    mutate(bad)
+    with pytest.raises(InputError) as err:
+        validate_profile(bad)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_layer_times_roofline_and_measured_override(profile):
+    expert = np.array([1_000_000, 2_000_000])
+    dense = np.array([0, 43_000_000])
+    t = layer_times(profile, "toy", expert, dense)
+    gpu = profile["gpu"]
+    assert t.gpu_expert_us[1] == pytest.approx(gpu["expert_fixed_us"] + 2e6 / (gpu["memory_bandwidth_gbps"] * 1e3))
+    assert t.nonexpert_us[0] == gpu["layer_fixed_us"]
+    assert t.gpu_expert_us[1] > t.gpu_expert_us[0]
+    profile = dict(profile, compute={"toy": {"gpu_expert_us": 16.0}})
+    t2 = layer_times(profile, "toy", expert, dense)
+    assert t2.gpu_expert_us.tolist() == [16.0, 16.0]
+    assert t2.cpu_expert_us.tolist() == t.cpu_expert_us.tolist()
