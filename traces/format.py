@@ -19,21 +19,40 @@ domain          int16                              optional: index into meta.dom
 nll             float32                            optional: teacher-forced NLL of the token (nats)
 ==============  =================================  ===========================================
 
-File metadata: key ``moe_trace`` holds the JSON of :class:`TraceMeta`.
+``logits`` is present exactly when ``meta.has_logits``, ``residency`` exactly when
+``meta.has_residency``. File metadata: key ``moe_trace`` holds the JSON of :class:`TraceMeta`
+(``schema_version`` 1).
 
 A *group* is the unit the simulator processes at once: a maximal run of consecutive prefill
 tokens of one sequence (one batch per layer), or a single decode token.
+
+Reading streams by Parquet row group: a chunk holds whole groups and, by default, about
+``CHUNK_BYTES`` of decoded arrays, so memory follows the chunk size, not the file size. Every bad
+input raises :class:`traces.errors.InputError` with one line naming the file, the field and the
+fix; metadata and schema are checked on open, rows and values per chunk while streaming.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from traces.errors import InputError
 
 SCHEMA_VERSION = 1
 META_KEY = b"moe_trace"
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
+CHUNK_BYTES = 64 * 2**20  # decoded bytes a default chunk (and a written row group) aims at
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+_TOKEN_COLUMNS = {"token_id": -1, "domain": -1, "nll": np.nan}  # optional; value when absent
 
 
 @dataclass
@@ -56,6 +75,90 @@ class TraceMeta:
     source: str = ""  # "synth", "route-csv", "capture", ...
     schema_version: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (seed, command, ...)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> TraceMeta:
+        """Parse and check the metadata JSON; ``where`` names the file in error messages."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InputError(
+                f"{where}: metadata 'moe_trace' is not valid JSON ({_one_line(exc)}); "
+                "re-create the trace with moe-trace or the capture tool"
+            ) from None
+        if not isinstance(raw, dict):
+            raise InputError(f"{where}: metadata 'moe_trace' must be a JSON object; re-create the trace")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise InputError(
+                f"{where}: metadata field 'schema_version' is {version!r}, but this reader supports "
+                f"schema_version {SCHEMA_VERSION} only; re-create or convert the trace with a "
+                "matching moe-trace version"
+            )
+        known = {f.name: f for f in fields(cls)}
+        for name in raw:
+            if name not in known:
+                raise InputError(
+                    f"{where}: metadata field '{name}' is unknown to schema_version "
+                    f"{SCHEMA_VERSION}; remove it or put it under 'extra'"
+                )
+        for name, f in known.items():
+            if name not in raw:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise InputError(f"{where}: metadata field '{name}' is missing; add it to 'moe_trace'")
+                continue
+            if not _has_type(raw[name], f.type):
+                raise InputError(
+                    f"{where}: metadata field '{name}' is {raw[name]!r}, expected {f.type}; fix 'moe_trace'"
+                )
+        meta = cls(**raw)
+        meta.check(where)
+        return meta
+
+    def check(self, where: str) -> None:
+        """Raise InputError unless the metadata is self-consistent."""
+        def bad(name: str, problem: str, fix: str) -> InputError:
+            return InputError(f"{where}: metadata field '{name}' {problem}; {fix}")
+
+        if self.schema_version != SCHEMA_VERSION:
+            raise bad("schema_version", f"is {self.schema_version}, only {SCHEMA_VERSION} is supported",
+                      "write schema_version 1")
+        for name in ("num_layers", "num_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"is {getattr(self, name)}", "it must be at least 1")
+        if self.top_k > self.num_experts:
+            raise bad("top_k", f"is {self.top_k} > num_experts {self.num_experts}",
+                      "top_k must not exceed num_experts")
+        if len(self.expert_bytes) != self.num_layers:
+            raise bad("expert_bytes", f"has {len(self.expert_bytes)} entries for {self.num_layers} layers",
+                      "give one byte size per MoE layer")
+        if min(self.expert_bytes, default=1) < 1:
+            raise bad("expert_bytes", "has a size below 1 byte", "give each layer's expert size in bytes")
+        for name in ("dense_bytes", "layer_ids"):
+            if len(getattr(self, name)) not in (0, self.num_layers):
+                raise bad(name, f"has {len(getattr(self, name))} entries for {self.num_layers} layers",
+                          "give one entry per MoE layer or none")
+        if min(self.dense_bytes, default=0) < 0:
+            raise bad("dense_bytes", "has a negative size", "give non-negative byte sizes")
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise bad("score_function", f"is {self.score_function!r}", f"use one of {', '.join(SCORE_FUNCTIONS)}")
+
+
+_TYPE_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "dict": lambda v: isinstance(v, dict),
+    "list[int]": lambda v: isinstance(v, list) and all(_TYPE_CHECKS["int"](x) for x in v),
+    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+}
+
+
+def _has_type(value, type_name: str) -> bool:
+    return _TYPE_CHECKS[type_name](value)
 
 
 @dataclass
@@ -86,32 +189,655 @@ class TraceChunk:
         return int(self.seq.shape[0])
 
 
+def starts_group(seq: np.ndarray, phase: np.ndarray, prev: tuple[int, int] | None = None) -> np.ndarray:
+    """bool[T]: the token starts a group. ``prev`` is the (seq, phase) of the token before, if any.
+
+    A group is a maximal run of consecutive prefill tokens of one sequence, or one decode token.
+    """
+    seq_before = np.concatenate([[prev[0] if prev else -1], seq[:-1]])
+    phase_before = np.concatenate([[prev[1] if prev else PHASE_DECODE], phase[:-1]])
+    return (phase == PHASE_DECODE) | (phase_before == PHASE_DECODE) | (seq != seq_before)
+
+
+def group_ids(seq: np.ndarray, phase: np.ndarray, first_group: int = 0) -> np.ndarray:
+    """Global group id per token (int64[T]); the first token starts group ``first_group``."""
+    return first_group + np.cumsum(starts_group(seq, phase), dtype=np.int64) - 1
+
+
+def plan_chunks(starts: Iterable[np.ndarray], num_tokens: int, max_tokens: int) -> np.ndarray:
+    """Cut a trace into chunks of whole groups: int64[n, 3] rows (start, stop, first group).
+
+    ``starts`` yields the sorted token indices where groups start, in pieces (a stream, so a
+    reader never holds them all). A chunk has at most ``max_tokens`` tokens unless it is a
+    single longer group.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    plan: list[tuple[int, int, int]] = []
+    chunk_start, first_group = 0, 0
+    pending = np.empty(0, dtype=np.int64)  # known group starts after chunk_start
+
+    def cut(pending: np.ndarray) -> np.ndarray:
+        nonlocal chunk_start, first_group
+        while pending.size:
+            i = int(np.searchsorted(pending, chunk_start + max_tokens, side="right"))
+            if i == pending.size:
+                break  # every known group start fits; the chunk may still grow
+            # pending[i] lies beyond the limit: end before the group it closes, or at the end
+            # of the one over-long group that starts the chunk
+            taken = max(i, 1)
+            plan.append((chunk_start, int(pending[taken - 1]), first_group))
+            chunk_start, first_group = int(pending[taken - 1]), first_group + taken
+            pending = pending[taken:]
+        return pending
+
+    for piece in starts:
+        piece = np.asarray(piece, dtype=np.int64)
+        pending = cut(np.concatenate([pending, piece[piece > chunk_start]]))
+    cut(np.concatenate([pending, np.array([num_tokens], dtype=np.int64)]))
+    if chunk_start < num_tokens:
+        plan.append((chunk_start, num_tokens, first_group))
+    return np.array(plan, dtype=np.int64).reshape(-1, 3)
+
+
+def _token_bytes(meta: TraceMeta, per_rank: int, per_logit: int, per_token: int) -> int:
+    k = meta.top_k
+    per_layer = k * per_rank + (k if meta.has_residency else 0)
+    per_layer += meta.num_experts * per_logit if meta.has_logits else 0
+    return meta.num_layers * per_layer + per_token
+
+
+def default_max_tokens(meta: TraceMeta) -> int:
+    """Tokens per chunk so that a decoded chunk (int32 experts, float32 gates/logits) is ~CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // _token_bytes(meta, per_rank=8, per_logit=4, per_token=27))
+
+
+def default_row_group_tokens(meta: TraceMeta) -> int:
+    """Tokens per written row group so that one row group in Arrow memory is ~CHUNK_BYTES."""
+    rows = _token_bytes(meta, per_rank=6, per_logit=2, per_token=0) + 11 * meta.num_layers
+    return max(1, CHUNK_BYTES // rows)
+
+
+def make_chunk(
+    meta: TraceMeta,
+    *,
+    seq: np.ndarray,
+    pos: np.ndarray,
+    phase: np.ndarray,
+    experts: np.ndarray,
+    weights: np.ndarray,
+    logits: np.ndarray | None = None,
+    residency: np.ndarray | None = None,
+    token_id: np.ndarray | None = None,
+    domain: np.ndarray | None = None,
+    nll: np.ndarray | None = None,
+    first_group: int = 0,
+) -> TraceChunk:
+    """A :class:`TraceChunk` from token arrays: weights (T, L, k) become gates, dtypes as documented.
+
+    The tokens must start at a group boundary; groups are numbered from ``first_group``.
+    """
+    cols = _columns(meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
+                    logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
+    t, num_layers = cols["seq"].shape[0], meta.num_layers
+    weights = cols["weights"].astype(np.float32)
+    gates = weights / weights.sum(axis=-1, keepdims=True)
+    logits = cols.get("logits")
+    residency = cols.get("residency")
+    return TraceChunk(
+        seq=cols["seq"],
+        pos=cols["pos"],
+        phase=cols["phase"],
+        group=group_ids(cols["seq"], cols["phase"], first_group),
+        domain=cols["domain"] if "domain" in cols else np.full(t, -1, np.int16),
+        token_id=cols["token_id"] if "token_id" in cols else np.full(t, -1, np.int32),
+        experts=np.ascontiguousarray(cols["experts"], dtype=np.int32),
+        gates=np.ascontiguousarray(gates),
+        logits=(np.ascontiguousarray(logits, dtype=np.float32) if logits is not None
+                else np.zeros((0, num_layers, meta.num_experts), np.float32)),
+        residency=(residency if residency is not None
+                   else np.zeros((0, num_layers, meta.top_k), np.int8)),
+        nll=cols.get("nll"),
+    )
+
+
+def _columns(meta: TraceMeta, **arrays) -> dict[str, np.ndarray]:
+    """Token arrays with shapes checked and on-disk dtypes; absent optional columns left out."""
+    t = np.shape(arrays["seq"])[0]
+    shape_k = (t, meta.num_layers, meta.top_k)
+    spec = {
+        "seq": ((t,), np.int32), "pos": ((t,), np.int32), "phase": ((t,), np.int8),
+        "experts": (shape_k, np.int16), "weights": (shape_k, np.float32),
+        "logits": ((t, meta.num_layers, meta.num_experts), np.float16),
+        "residency": (shape_k, np.int8),
+        "token_id": ((t,), np.int32), "domain": ((t,), np.int16), "nll": ((t,), np.float32),
+    }
+    wanted = {"logits": meta.has_logits, "residency": meta.has_residency}
+    cols = {}
+    for name, (shape, dtype) in spec.items():
+        value = arrays.get(name)
+        if name in wanted and (value is not None) != wanted[name]:
+            raise ValueError(f"'{name}' must be given exactly when meta.has_{name} is true")
+        if value is None:
+            continue
+        value = np.asarray(value)
+        if value.shape != shape:
+            raise ValueError(f"'{name}' has shape {value.shape}, expected {shape}")
+        if name == "experts" and value.size and (value.min() < -1 or value.max() >= 2**15):
+            raise ValueError("'experts' ids do not fit int16")
+        # logits keep their precision in memory; they are rounded to float16 only on disk
+        cols[name] = value if name == "logits" else np.ascontiguousarray(value, dtype=dtype)
+    return cols
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A bad value found in token arrays: which column, where (token index, layer) and why."""
+
+    column: str
+    token: int
+    layer: int | None
+    what: str
+    fix: str
+
+
+def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None:
+    """The first bad value in token arrays (checked in a fixed order), or None."""
+    experts, weights = cols["experts"], cols["weights"]
+    num_layers, num_experts = meta.num_layers, meta.num_experts
+
+    def first(mask: np.ndarray) -> tuple[int, int]:
+        flat = int(np.argmax(mask.reshape(-1)))
+        return flat // num_layers, flat % num_layers
+
+    out_of_range = ((experts < 0) | (experts >= num_experts)).any(axis=-1)
+    if out_of_range.any():
+        t, layer = first(out_of_range)
+        value = experts[t, layer][(experts[t, layer] < 0) | (experts[t, layer] >= num_experts)][0]
+        return Problem("experts", t, layer, f"expert id {value} is outside 0..{num_experts - 1}",
+                       "fix the ids or the metadata's num_experts")
+    ranked = np.sort(experts, axis=-1)
+    duplicate = (ranked[..., 1:] == ranked[..., :-1]).any(axis=-1)
+    if duplicate.any():
+        t, layer = first(duplicate)
+        return Problem("experts", t, layer, f"top-k {experts[t, layer].tolist()} repeats an expert",
+                       "each token-layer must select k distinct experts")
+    bad_weight = (~np.isfinite(weights) | (weights < 0)).any(axis=-1) | (weights.sum(axis=-1) <= 0)
+    if bad_weight.any():
+        t, layer = first(bad_weight)
+        return Problem("weights", t, layer, f"gate weights {weights[t, layer].tolist()} are not finite, "
+                       "non-negative and of positive sum", "record the gate weights the model applied")
+    logits = cols.get("logits")
+    if logits is not None:
+        nan = np.isnan(logits).any(axis=-1)
+        if nan.any():
+            t, layer = first(nan)
+            return Problem("logits", t, layer, "router logits contain NaN",
+                           "re-capture in a precision that does not overflow, or drop the logits")
+    residency = cols.get("residency")
+    if residency is not None:
+        bad = ((residency != 0) & (residency != 1)).any(axis=-1)
+        if bad.any():
+            t, layer = first(bad)
+            return Problem("residency", t, layer, f"values {residency[t, layer].tolist()} are not 0/1",
+                           "write 1 for resident, 0 for not")
+    domain = cols.get("domain")
+    if domain is not None:
+        bad = (domain < -1) | (domain >= len(meta.domains))
+        if bad.any():
+            t = int(np.argmax(bad))
+            return Problem("domain", t, None, f"index {domain[t]} has no name in the metadata's "
+                           f"{len(meta.domains)} domains", "list every domain name in meta.domains")
+    return None
+
+
+def order_problem(seq: np.ndarray, pos: np.ndarray, phase: np.ndarray,
+                  prev: tuple[int, int] | None) -> Problem | None:
+    """The first token out of (seq, pos) order or with an unknown phase, or None.
+
+    ``prev`` is the (seq, pos) of the token before the arrays, if any.
+    """
+    bad_phase = (phase != PHASE_PREFILL) & (phase != PHASE_DECODE)
+    if bad_phase.any():
+        t = int(np.argmax(bad_phase))
+        return Problem("phase", t, None, f"phase {phase[t]} is neither 0 (prefill) nor 1 (decode)",
+                       "write 0 or 1")
+    s = np.concatenate([[prev[0]], seq]).astype(np.int64) if prev else seq.astype(np.int64)
+    p = np.concatenate([[prev[1]], pos]).astype(np.int64) if prev else pos.astype(np.int64)
+    ds, dp = np.diff(s), np.diff(p)
+    bad = (ds < 0) | ((ds == 0) & (dp <= 0))
+    if bad.any():
+        t = int(np.argmax(bad)) + (0 if prev else 1)
+        return Problem("seq/pos", t, None, "comes after a token with an equal or later (seq, pos)",
+                       "order rows by (seq, pos, layer) with each token once")
+    return None
+
+
+def _raise(where: str, problem: Problem, seq: np.ndarray, pos: np.ndarray):
+    at = f"seq {seq[problem.token]} pos {pos[problem.token]}"
+    if problem.layer is not None:
+        at += f" layer {problem.layer}"
+    raise InputError(f"{where}: column '{problem.column}' at {at}: {problem.what}; {problem.fix}")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def arrow_schema(meta: TraceMeta, token_columns: Iterable[str] = ()) -> pa.Schema:
+    """The Arrow schema of a trace file with these optional per-token columns, metadata attached."""
+    types = _arrow_types(meta)
+    names = ["seq", "pos", "layer", "phase", "experts", "weights"]
+    names += [name for name, present in (("logits", meta.has_logits), ("residency", meta.has_residency))
+              if present]
+    names += [name for name in _TOKEN_COLUMNS if name in set(token_columns)]
+    schema = pa.schema([(name, types[name]) for name in names])
+    return schema.with_metadata({META_KEY: meta.to_json().encode()})
+
+
+def _arrow_types(meta: TraceMeta) -> dict[str, pa.DataType]:
+    k, e = meta.top_k, meta.num_experts
+    return {
+        "seq": pa.int32(), "pos": pa.int32(), "layer": pa.int16(), "phase": pa.int8(),
+        "experts": pa.list_(pa.int16(), k), "weights": pa.list_(pa.float32(), k),
+        "logits": pa.list_(pa.float16(), e), "residency": pa.list_(pa.int8(), k),
+        "token_id": pa.int32(), "domain": pa.int16(), "nll": pa.float32(),
+    }
+
+
+def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
+    """Token arrays -> one row per (token, layer)."""
+    num_layers = meta.num_layers
+    t = cols["seq"].shape[0]
+    arrays = []
+    for name in schema.names:
+        if name == "layer":
+            arrays.append(pa.array(np.tile(np.arange(num_layers, dtype=np.int16), t)))
+            continue
+        value = cols[name]
+        if value.ndim == 1:
+            arrays.append(pa.array(np.repeat(value, num_layers)))
+        else:
+            flat = value.astype(schema.field(name).type.value_type.to_pandas_dtype(), copy=False)
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), value.shape[-1]))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+class TraceWriter:
+    """Writes whole tokens to a trace file, streaming row groups of ``row_group_tokens`` tokens.
+
+    Rows go to a temporary file beside ``path``, which replaces ``path`` only when the writer
+    closes without error; an exception inside the ``with`` block leaves no file at ``path``.
+    """
+
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None):
+        self.path = Path(path)
+        self.meta = meta
+        meta.check(str(self.path))
+        self.row_group_tokens = row_group_tokens or default_row_group_tokens(meta)
+        if not self.path.parent.is_dir():
+            raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        os.close(fd)
+        self._tmp = Path(tmp)
+        self._writer: pq.ParquetWriter | None = None
+        self._schema: pa.Schema | None = None
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._pending_tokens = 0
+        self._last: tuple[int, int] | None = None
+        self.num_tokens = 0
+
+    def write(self, *, seq, pos, phase, experts, weights, logits=None, residency=None,
+              token_id=None, domain=None, nll=None) -> None:
+        """Append tokens: seq/pos/phase (T,), experts/weights/residency (T, L, k), logits (T, L, E).
+
+        Optional per-token columns (token_id, domain, nll) must be given in every call or none.
+        """
+        cols = _columns(self.meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
+                        logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
+        if "logits" in cols:
+            cols["logits"] = np.ascontiguousarray(cols["logits"], dtype=np.float16)
+        problem = order_problem(cols["seq"], cols["pos"], cols["phase"], self._last) or find_problem(
+            self.meta, cols)
+        if problem:
+            _raise(str(self.path), problem, cols["seq"], cols["pos"])
+        if self._schema is None:
+            self._schema = arrow_schema(self.meta, [n for n in _TOKEN_COLUMNS if n in cols])
+        elif set(cols) != set(self._schema.names) - {"layer"}:
+            raise ValueError("every write must give the same optional columns as the first")
+        if not cols["seq"].size:
+            return
+        self._last = (int(cols["seq"][-1]), int(cols["pos"][-1]))
+        self._pending.append(cols)
+        self._pending_tokens += cols["seq"].shape[0]
+        self.num_tokens += cols["seq"].shape[0]
+        if self._pending_tokens >= self.row_group_tokens:
+            self._flush(final=False)
+
+    def write_chunk(self, chunk: TraceChunk) -> None:
+        """Append a decoded chunk (its gates are written as the weights)."""
+        self.write(
+            seq=chunk.seq, pos=chunk.pos, phase=chunk.phase, experts=chunk.experts,
+            weights=chunk.gates,
+            logits=chunk.logits if self.meta.has_logits else None,
+            residency=chunk.residency if self.meta.has_residency else None,
+            token_id=chunk.token_id, domain=chunk.domain, nll=chunk.nll,
+        )
+
+    def _flush(self, final: bool) -> None:
+        if self._writer is None:
+            if self._schema is None:
+                self._schema = arrow_schema(self.meta)
+            self._writer = pq.ParquetWriter(self._tmp, self._schema, compression="zstd")
+        if not self._pending:
+            return
+        merged = {name: np.concatenate([c[name] for c in self._pending]) for name in self._pending[0]}
+        n = merged["seq"].shape[0]
+        whole = n if final else n - n % self.row_group_tokens
+        for start in range(0, whole, self.row_group_tokens):
+            part = {name: v[start:start + self.row_group_tokens] for name, v in merged.items()}
+            table = _to_table(self.meta, part, self._schema)
+            self._writer.write_table(table, row_group_size=table.num_rows)
+        rest = {name: v[whole:] for name, v in merged.items()}
+        self._pending = [rest] if whole < n else []
+        self._pending_tokens = n - whole
+
+    def close(self) -> None:
+        """Write what is pending and move the file into place."""
+        try:
+            self._flush(final=True)
+            self._writer.close()
+        except BaseException:
+            self.abort()
+            raise
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Drop everything written; ``path`` is left as it was."""
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - the file is discarded anyway
+                pass
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_trace(path: str | os.PathLike, meta: TraceMeta, chunk: TraceChunk) -> None:
+    """Write one in-memory chunk as a trace file (atomically)."""
+    with TraceWriter(path, meta) as writer:
+        writer.write_chunk(chunk)
+
+
+class _RowGroups:
+    """Reads row ranges of a Parquet file by row group, keeping the last row group read."""
+
+    def __init__(self, pf: pq.ParquetFile, columns: list[str], where: str):
+        self.pf, self.columns, self.where = pf, columns, where
+        sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self._cached: tuple[int, pa.Table] | None = None
+
+    def _group(self, i: int) -> pa.Table:
+        if self._cached is None or self._cached[0] != i:
+            try:
+                table = self.pf.read_row_group(i, columns=self.columns)
+            except (pa.ArrowException, OSError) as exc:
+                raise InputError(
+                    f"{self.where}: row group {i} cannot be read ({_one_line(exc)}); the file is "
+                    "damaged or truncated, re-create it"
+                ) from None
+            self._cached = (i, table)
+        return self._cached[1]
+
+    def read(self, start: int, stop: int, descending: bool) -> pa.Table:
+        """Rows [start, stop); row groups are visited in the iteration's direction."""
+        if stop <= start:
+            return self.pf.schema_arrow.empty_table().select(self.columns)
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        last = int(np.searchsorted(self.offsets, stop - 1, side="right")) - 1
+        order = range(last, first - 1, -1) if descending else range(first, last + 1)
+        pieces = {}
+        for i in order:
+            lo = max(start, self.offsets[i]) - self.offsets[i]
+            hi = min(stop, self.offsets[i + 1]) - self.offsets[i]
+            pieces[i] = self._group(i).slice(int(lo), int(hi - lo))
+        return pa.concat_tables([pieces[i] for i in sorted(pieces)])
+
+
+def _numpy(table: pa.Table, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A column as a numpy array of ``shape`` (list columns flattened, copies)."""
+    values = table.column(name).combine_chunks()
+    if pa.types.is_fixed_size_list(values.type):
+        values = values.flatten()
+    return values.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+class TraceReader:
+    """A trace file opened for streaming: ``meta``, sizes and chunk iterators of whole groups."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._where = str(self.path)
+        self._pf = _open_parquet(self.path)
+        self.meta = _read_meta(self._pf, self._where)
+        self._columns = _check_schema(self._pf.schema_arrow, self.meta, self._where)
+        self.num_rows = int(self._pf.metadata.num_rows)
+        if self.num_rows % self.meta.num_layers:
+            raise InputError(
+                f"{self._where}: {self.num_rows} rows are not a multiple of num_layers "
+                f"{self.meta.num_layers} (a token is missing layers or the file is truncated); "
+                "re-create the trace"
+            )
+        self._plans: dict[int, np.ndarray] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_rows // self.meta.num_layers
+
+    def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+        """Chunks of whole groups in trace order, each of at most ``max_tokens`` tokens.
+
+        A group longer than ``max_tokens`` comes as one chunk. Default: ~CHUNK_BYTES decoded.
+        """
+        return self._iter(self._plan(max_tokens), descending=False)
+
+    def iter_chunks_reversed(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+        """The chunks of :meth:`iter_chunks`, last to first (group ids as in forward order)."""
+        return self._iter(self._plan(max_tokens)[::-1], descending=True)
+
+    def read_all(self) -> TraceChunk:
+        """The whole trace as one chunk (small traces, tests)."""
+        self._plan(max(1, self.num_tokens))  # checks the row structure
+        rows = _RowGroups(self._pf, self._columns, self._where)
+        return self._read_chunk(rows, 0, self.num_tokens, 0, descending=False)
+
+    def _iter(self, plan: np.ndarray, descending: bool) -> Iterator[TraceChunk]:
+        rows = _RowGroups(self._pf, self._columns, self._where)
+        for start, stop, first_group in plan:
+            yield self._read_chunk(rows, int(start), int(stop), int(first_group), descending)
+
+    def _read_chunk(self, rows: _RowGroups, start: int, stop: int, first_group: int,
+                    descending: bool) -> TraceChunk:
+        meta = self.meta
+        num_layers, t = meta.num_layers, stop - start
+        table = rows.read(start * num_layers, stop * num_layers, descending)
+        per_layer = {"experts": meta.top_k, "weights": meta.top_k, "residency": meta.top_k,
+                     "logits": meta.num_experts}
+        cols = {}
+        for name in self._columns:
+            if name in per_layer:
+                cols[name] = _numpy(table, name, (t, num_layers, per_layer[name]))
+            elif name != "layer":
+                cols[name] = _numpy(table, name, (t, num_layers))[:, 0].copy()
+        del table
+        if "logits" in cols:
+            cols["logits"] = cols["logits"].astype(np.float32)  # once, on load
+        problem = find_problem(meta, cols)
+        if problem:
+            _raise(self._where, problem, cols["seq"], cols["pos"])
+        return make_chunk(meta, **cols, first_group=first_group)
+
+    def _plan(self, max_tokens: int | None) -> np.ndarray:
+        max_tokens = default_max_tokens(self.meta) if max_tokens is None else int(max_tokens)
+        if max_tokens not in self._plans:
+            self._plans[max_tokens] = plan_chunks(self._scan_group_starts(), self.num_tokens, max_tokens)
+        return self._plans[max_tokens]
+
+    def _scan_group_starts(self) -> Iterator[np.ndarray]:
+        """Stream the small columns, check row structure and order, yield group starts."""
+        num_layers = self.meta.num_layers
+        expected_layers = np.arange(num_layers, dtype=np.int16)
+        prev: tuple[int, int, int] | None = None  # (seq, pos, phase) of the last token seen
+        first_token = 0
+        batches = _whole_token_rows(self._pf, ["seq", "pos", "layer", "phase"],
+                                    max(1, 2**22 // num_layers), num_layers, self._where)
+        for rows in batches:
+            by_token = {name: v.reshape(-1, num_layers) for name, v in rows.items()}
+            mismatch = by_token["layer"] != expected_layers
+            for name in ("seq", "pos", "phase"):
+                mismatch |= by_token[name] != by_token[name][:, :1]
+            if mismatch.any():
+                t, layer = np.unravel_index(int(np.argmax(mismatch)), mismatch.shape)
+                row = (first_token + t) * num_layers + layer
+                found = ", ".join(f"{n} {by_token[n][t, layer]}" for n in ("seq", "pos", "layer"))
+                raise InputError(
+                    f"{self._where}: column 'layer' at row {row}: expected layer {layer} of seq "
+                    f"{by_token['seq'][t, 0]} pos {by_token['pos'][t, 0]}, found {found}; every token "
+                    f"needs one row per layer 0..{num_layers - 1}, rows ordered by (seq, pos, layer)"
+                )
+            seq, pos, phase = (by_token[name][:, 0] for name in ("seq", "pos", "phase"))
+            problem = order_problem(seq, pos, phase, prev[:2] if prev else None)
+            if problem:
+                _raise(self._where, problem, seq, pos)
+            starts = starts_group(seq, phase, (prev[0], prev[2]) if prev else None)
+            yield first_token + np.flatnonzero(starts)
+            prev = (int(seq[-1]), int(pos[-1]), int(phase[-1]))
+            first_token += seq.shape[0]
+
+    def close(self) -> None:
+        self._pf.close()
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _whole_token_rows(pf: pq.ParquetFile, columns: list[str], tokens: int, num_layers: int,
+                      where: str) -> Iterator[dict[str, np.ndarray]]:
+    """Stream columns in batches of whole tokens (num_layers rows each), whatever the row groups."""
+    carry: dict[str, np.ndarray] | None = None
+    try:
+        for batch in pf.iter_batches(batch_size=tokens * num_layers, columns=columns):
+            rows = {name: batch.column(name).to_numpy(zero_copy_only=False) for name in columns}
+            if carry:
+                rows = {name: np.concatenate([carry[name], rows[name]]) for name in columns}
+            whole = rows[columns[0]].shape[0] // num_layers * num_layers
+            carry = {name: v[whole:] for name, v in rows.items()}
+            if whole:
+                yield {name: v[:whole] for name, v in rows.items()}
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(
+            f"{where}: the rows cannot be read ({_one_line(exc)}); the file is damaged or "
+            "truncated, re-create it"
+        ) from None
+
+
+def _open_parquet(path: Path) -> pq.ParquetFile:
+    if not path.is_file():
+        raise InputError(f"{path}: no such trace file; check the path")
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(
+            f"{path}: not a readable Parquet file ({_one_line(exc)}); check the path, or re-create "
+            "the trace if it was cut short"
+        ) from None
+
+
+def _read_meta(pf: pq.ParquetFile, where: str) -> TraceMeta:
+    kv = pf.metadata.metadata or {}
+    if META_KEY not in kv:
+        raise InputError(
+            f"{where}: metadata 'moe_trace' is missing (not a moe-trace file); write traces with "
+            "moe-trace, the capture tool or traces.format.TraceWriter"
+        )
+    return TraceMeta.from_json(kv[META_KEY], where)
+
+
+def _check_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> list[str]:
+    """The columns to read; raises unless required ones exist with the documented types."""
+    types = _arrow_types(meta)
+    required = ["seq", "pos", "layer", "phase", "experts", "weights"]
+    required += [name for name, flag in (("logits", meta.has_logits), ("residency", meta.has_residency))
+                 if flag]
+    for name in required:
+        if name not in schema.names:
+            flag = {"logits": " (metadata says has_logits)", "residency": " (metadata says has_residency)"}
+            raise InputError(
+                f"{where}: column '{name}' is missing{flag.get(name, '')}; write it as "
+                f"{types[name]} or fix the metadata"
+            )
+    columns = required + [name for name in _TOKEN_COLUMNS if name in schema.names]
+    for name in columns:
+        found = schema.field(name).type
+        if found != types[name]:
+            raise InputError(
+                f"{where}: column '{name}' has type {found}, expected {types[name]} (top_k "
+                f"{meta.top_k}, num_experts {meta.num_experts} from the metadata); rewrite the "
+                "column or fix the metadata"
+            )
+    return columns
+
+
+def open_trace(path: str | os.PathLike) -> TraceReader:
+    """Open a trace file for streaming; the metadata and schema are checked now."""
+    return TraceReader(path)
+
+
+def read_trace(path: str | os.PathLike) -> tuple[TraceMeta, TraceChunk]:
+    """A whole trace file in memory (small traces and tests): (meta, one chunk)."""
+    with open_trace(path) as reader:
+        return reader.meta, reader.read_all()
+
+
 class ArraySource:
     """An in-memory trace: one :class:`TraceChunk` served in chunks of whole groups.
 
-    Implements the chunk-source protocol the engines read (``meta`` and a re-iterable
-    ``iter_chunks``), like the Parquet reader does.
+    Implements the chunk-source protocol the engines read (``meta``, ``num_tokens`` and the
+    re-iterable ``iter_chunks`` / ``iter_chunks_reversed``), cut like the Parquet reader cuts.
     """
 
     def __init__(self, meta: TraceMeta, chunk: TraceChunk):
         self.meta = meta
         self.chunk = chunk
 
-    def iter_chunks(self, max_tokens: int | None = None):
-        """Yield sub-chunks of at most ``max_tokens`` tokens (more if one group is longer)."""
-        c = self.chunk
-        n = c.num_tokens
-        if max_tokens is None or max_tokens >= n:
-            yield c
-            return
-        start = 0
-        while start < n:
-            stop = min(start + max_tokens, n)
-            # extend to the end of the group that straddles the cut
-            while stop < n and c.group[stop] == c.group[stop - 1]:
-                stop += 1
-            yield slice_chunk(c, start, stop)
-            start = stop
+    @property
+    def num_tokens(self) -> int:
+        return self.chunk.num_tokens
+
+    def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+        """Sub-chunks of at most ``max_tokens`` tokens (a longer group comes whole); None: all."""
+        return (slice_chunk(self.chunk, start, stop) for start, stop, _ in self._plan(max_tokens))
+
+    def iter_chunks_reversed(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+        """The chunks of :meth:`iter_chunks`, last to first."""
+        return (slice_chunk(self.chunk, start, stop) for start, stop, _ in self._plan(max_tokens)[::-1])
+
+    def _plan(self, max_tokens: int | None) -> np.ndarray:
+        group = self.chunk.group
+        starts = np.flatnonzero(np.diff(group, prepend=group[:1] - 1))
+        return plan_chunks([starts], self.num_tokens, max_tokens or max(1, self.num_tokens))
 
 
 def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
@@ -129,3 +855,16 @@ def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
         residency=c.residency[start:stop] if c.residency.shape[0] else c.residency,
         nll=None if c.nll is None else c.nll[start:stop],
     )
+
+
+def concat_chunks(chunks: list[TraceChunk]) -> TraceChunk:
+    """Consecutive chunks of one trace joined into one (copies)."""
+    def join(name: str) -> np.ndarray:
+        parts = [getattr(c, name) for c in chunks]
+        if name in ("logits", "residency") and not any(p.shape[0] for p in parts):
+            return parts[0]
+        return np.concatenate(parts)
+
+    nll = None if any(c.nll is None for c in chunks) else np.concatenate([c.nll for c in chunks])
+    names = [f.name for f in fields(TraceChunk) if f.name != "nll"]
+    return TraceChunk(**{name: join(name) for name in names}, nll=nll)

@@ -1,0 +1,199 @@
+"""moe-trace: make, import and inspect router traces.
+
+    moe-trace synth OUT --tokens T --layers L --experts E --top-k K --seed S [--logits full|none] ...
+    moe-trace import route-csv IN OUT
+    moe-trace info PATH [--json]
+
+Bad input prints ``moe-trace: error: <one line>`` on stderr and exits 2; an output file is
+written completely or not at all, and an existing one is replaced only with ``--force``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import numpy as np
+
+from traces.errors import EXIT_INPUT_ERROR, InputError
+from traces.format import PHASE_DECODE, PHASE_PREFILL, ArraySource, open_trace
+from traces.importers.route_csv import import_route_csv, is_route_csv, load_route_csv
+from traces.synth import SynthSpec, write_synth_trace
+
+TOP_SHARE = 0.10  # "top 10 % of experts" in the popularity summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the moe-trace console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.command(args) or 0
+    except InputError as exc:
+        print(f"moe-trace: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-trace", description="Make, import and inspect router traces.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    synth = commands.add_parser("synth", help="write a synthetic trace",
+                                description="Write a synthetic trace (see traces/synth.py for the model).")
+    synth.add_argument("out", metavar="OUT", help="trace file to write (.parquet)")
+    for f in fields(SynthSpec):
+        option = "--" + f.name.replace("_", "-")
+        required = f.default is MISSING
+        kind = {"int": int, "float": float, "str": str}[f.type]
+        extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+        default = "" if required else f" (default: {f.default})"
+        synth.add_argument(option, dest=f.name, type=kind, required=required,
+                           default=None if required else f.default,
+                           help=f.metadata["help"] + default, **extra)
+    _force(synth)
+    synth.set_defaults(command=_synth)
+
+    imports = commands.add_parser("import", help="convert a foreign trace format")
+    formats = imports.add_subparsers(required=True, metavar="FORMAT")
+    route = formats.add_parser("route-csv", help="route_trace v1 CSV (llama.cpp-based engines)")
+    route.add_argument("src", metavar="IN", help="route_trace v1 CSV file")
+    route.add_argument("out", metavar="OUT", help="trace file to write (.parquet)")
+    _force(route)
+    route.set_defaults(command=_import_route_csv)
+
+    info = commands.add_parser("info", help="metadata and summary statistics of a trace")
+    info.add_argument("path", metavar="PATH", help="trace file, or a route_trace v1 CSV")
+    info.add_argument("--json", action="store_true", help="print the summary as JSON")
+    info.set_defaults(command=_info)
+    return parser
+
+
+def _force(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
+def _check_out(out: str, force: bool) -> None:
+    if Path(out).exists() and not force:
+        raise InputError(f"{out}: exists; pass --force to replace it")
+
+
+def _progress() -> bool:
+    return sys.stderr.isatty()
+
+
+def _synth(args: argparse.Namespace) -> None:
+    _check_out(args.out, args.force)
+    options = {f.name: getattr(args, f.name) for f in fields(SynthSpec)}
+    write_synth_trace(args.out, progress=_progress(), **options)
+
+
+def _import_route_csv(args: argparse.Namespace) -> None:
+    _check_out(args.out, args.force)
+    import_route_csv(args.src, args.out, progress=_progress())
+
+
+def _info(args: argparse.Namespace) -> None:
+    if is_route_csv(args.path):
+        source = ArraySource(*load_route_csv(args.path))
+        summary = summarize(source, args.path)
+    else:
+        with open_trace(args.path) as source:
+            summary = summarize(source, args.path)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+
+
+def summarize(source, path: str = "") -> dict:
+    """Summary statistics of a chunk source (one streaming pass), as plain JSON-able values."""
+    meta = source.meta
+    num_layers, num_experts = meta.num_layers, meta.num_experts
+    calls = np.zeros(num_layers * num_experts, dtype=np.int64)
+    domain_tokens = np.zeros(len(meta.domains) + 1, dtype=np.int64)  # last bin: no domain
+    tokens = prefill = sequences = prefill_batches = hits = decode_calls = 0
+    last_seq = None
+    layer_offset = (np.arange(num_layers) * num_experts)[None, :, None]
+    for chunk in source.iter_chunks():
+        tokens += chunk.num_tokens
+        is_prefill = chunk.phase == PHASE_PREFILL
+        prefill += int(is_prefill.sum())
+        sequences += int(np.count_nonzero(np.diff(chunk.seq, prepend=last_seq if last_seq is not None
+                                                  else chunk.seq[0] - 1)))
+        prefill_batches += np.unique(chunk.group[is_prefill]).size  # chunks never split a group
+        last_seq = chunk.seq[-1]
+        calls += np.bincount((chunk.experts + layer_offset).reshape(-1), minlength=calls.size)
+        domain_tokens += np.bincount(np.where(chunk.domain < 0, len(meta.domains), chunk.domain),
+                                     minlength=domain_tokens.size)
+        if meta.has_residency:
+            decode = chunk.phase == PHASE_DECODE
+            hits += int(chunk.residency[decode].sum())
+            decode_calls += int(decode.sum()) * num_layers * meta.top_k
+    top = max(1, math.ceil(TOP_SHARE * num_experts))
+    per_layer = np.sort(calls.reshape(num_layers, num_experts), axis=1)[:, ::-1]
+    used = per_layer.sum(axis=1) > 0
+    share = per_layer[used, :top].sum(axis=1) / per_layer[used].sum(axis=1)
+    domains = {name: int(n) for name, n in zip(meta.domains, domain_tokens[:-1], strict=True)}
+    if domain_tokens[-1]:
+        domains["(none)"] = int(domain_tokens[-1])
+    return {
+        "path": str(path),
+        "model": meta.model,
+        "source": meta.source,
+        "schema_version": meta.schema_version,
+        "layers": num_layers,
+        "experts": num_experts,
+        "top_k": meta.top_k,
+        "has_logits": meta.has_logits,
+        "has_residency": meta.has_residency,
+        "expert_bytes": {"min": min(meta.expert_bytes), "max": max(meta.expert_bytes),
+                         "total": int(sum(meta.expert_bytes)) * num_experts},
+        "tokens": tokens,
+        "prefill_tokens": prefill,
+        "decode_tokens": tokens - prefill,
+        "prefill_batches": prefill_batches,
+        "sequences": sequences,
+        "domains": domains,
+        "top_experts": top,
+        "top_experts_call_share": None if not share.size else {
+            "min": float(share.min()), "median": float(np.median(share)), "max": float(share.max())},
+        "decode_hit_rate": None if not meta.has_residency else {
+            "hits": hits, "calls": decode_calls, "rate": hits / decode_calls if decode_calls else None},
+    }
+
+
+def format_summary(s: dict) -> str:
+    """The summary as aligned text lines."""
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.1f} GiB"
+
+    lines = [
+        ("trace", s["path"]),
+        ("model", f"{s['model']} (source {s['source'] or '?'}, schema {s['schema_version']})"),
+        ("shape", f"{s['layers']} layers x {s['experts']} experts, top-{s['top_k']}; "
+                  f"logits {'yes' if s['has_logits'] else 'no'}, "
+                  f"residency {'yes' if s['has_residency'] else 'no'}"),
+        ("experts", f"{s['expert_bytes']['min']:,}..{s['expert_bytes']['max']:,} bytes each, "
+                    f"{gib(s['expert_bytes']['total'])} in all"),
+        ("tokens", f"{s['tokens']:,}: {s['prefill_tokens']:,} prefill in {s['prefill_batches']:,} "
+                   f"batches, {s['decode_tokens']:,} decode; {s['sequences']:,} sequences"),
+        ("domains", ", ".join(f"{name} {n:,}" for name, n in s["domains"].items()) or "-"),
+    ]
+    share = s["top_experts_call_share"]
+    if share:
+        lines.append(("popularity", f"the top {s['top_experts']} experts of a layer (10 %) take "
+                                    f"{_pct(share['min'])} / {_pct(share['median'])} / {_pct(share['max'])} "
+                                    "of its calls (min / median / max over layers)"))
+    hit = s["decode_hit_rate"]
+    if hit and hit["calls"]:
+        lines.append(("recorded", f"decode hit rate {_pct(hit['rate'])} "
+                                  f"({hit['hits']:,} of {hit['calls']:,} decode calls)"))
+    width = max(len(key) for key, _ in lines)
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in lines)
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction * 100:.1f} %"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Importers of foreign trace formats into the trace format (``traces.format``)."""
