@@ -293,8 +293,8 @@ class View:
       and any column a policy preset sets by itself (one value per policy, never overridden,
       e.g. ``cache.eviction`` when quality_first brings its own eviction).
     - ``setting_columns``: the other config columns whose value varies between runs.
-    - ``reference``: the setting shown where a plot needs one run per strategy: the cache
-      fraction nearest the paper's 25 %, otherwise each column's most common value.
+    - ``reference``: the setting shown where a plot needs one run per strategy: the setting
+      of actual runs with the cache fraction nearest the paper's 25 %, then with most runs.
     """
 
     labelled: pl.DataFrame  # the sweep's table plus "strategy" and a sort key "_order"

@@ -26,6 +26,7 @@ from analysis.collect import (
     MISSING,
     OK,
     POLICY,
+    STRATEGY_PREFIXES,
     Sweep,
     View,
     format_value,
@@ -177,10 +178,14 @@ def _speedup_blocks(sweep: Sweep, view: View, speedups: pl.DataFrame) -> list[Bl
         blocks.append(Para("No fetch_all run in this sweep, so there is no baseline and no "
                            "speedup; add `policy=fetch_all` to the sweep."))
     else:
+        preset_set = [c for c in view.strategy_columns if not c.startswith(STRATEGY_PREFIXES)]
+        strategy = "`policy.*`, `admission.*`" + "".join(f", `{c}`" for c in preset_set)
         blocks.append(Para(
-            "Speedup = time per decode token of the fetch_all run with the same settings "
-            "(every config column except the strategy's own) / the run's time per token. "
-            "Substituted calls are a share of all decode expert calls."
+            "Speedup = time per decode token of fetch_all / that of the run, where fetch_all "
+            "is the run with the same value in every config column outside the strategy "
+            f"({strategy}"
+            + (", which the policy presets set" if preset_set else "")
+            + "). Substituted calls are a share of all decode expert calls."
             + (" – means no fetch_all run has the same settings."
                if speedups["speedup"].null_count() else "")))
     columns = [
