@@ -260,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("sweep_dir", type=Path, help="the multirun directory (or one run)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: SWEEP_DIR/report)")
+    parser.add_argument("--table", action="store_true",
+                        help="also print the speedup table (Markdown) on stdout")
     args = parser.parse_args(argv)
     try:
         sweep = read_sweep(args.sweep_dir, progress=True)
@@ -276,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"moe-report: {sweep.table.height} job(s): {int((status == OK).sum())} ok, "
           f"{int((status == FAILED).sum())} failed, {int((status == MISSING).sum())} never "
           f"started; wrote {out_dir / 'report.md'} and {out_dir / 'report.html'}")
+    if args.table:
+        view = make_view(sweep)
+        print(render_markdown(_speedup_blocks(sweep, view, speedup_table(sweep, view))[-1:]))
     return 0
 
 
