@@ -365,7 +365,8 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
     bad_weight = (~np.isfinite(weights) | (weights < 0)).any(axis=-1) | (weights.sum(axis=-1) <= 0)
     if bad_weight.any():
         t, layer = first(bad_weight)
-        return Problem("weights", t, layer, f"gate weights {weights[t, layer].tolist()} are not finite, "
+        shown = [float(f"{w:.4g}") for w in weights[t, layer]]
+        return Problem("weights", t, layer, f"gate weights {shown} are not finite, "
                        "non-negative and of positive sum", "record the gate weights the model applied")
     logits = cols.get("logits")
     if logits is not None:
@@ -786,18 +787,25 @@ def _check_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> list[str]:
             flag = {"logits": " (metadata says has_logits)", "residency": " (metadata says has_residency)"}
             raise InputError(
                 f"{where}: column '{name}' is missing{flag.get(name, '')}; write it as "
-                f"{types[name]} or fix the metadata"
+                f"{_type_name(types[name])} or fix the metadata"
             )
     columns = required + [name for name in _TOKEN_COLUMNS if name in schema.names]
     for name in columns:
         found = schema.field(name).type
-        if found != types[name]:
+        if _type_name(found) != _type_name(types[name]):
             raise InputError(
-                f"{where}: column '{name}' has type {found}, expected {types[name]} (top_k "
-                f"{meta.top_k}, num_experts {meta.num_experts} from the metadata); rewrite the "
-                "column or fix the metadata"
+                f"{where}: column '{name}' has type {_type_name(found)}, expected "
+                f"{_type_name(types[name])} (top_k {meta.top_k}, num_experts {meta.num_experts} from "
+                "the metadata); rewrite the column or fix the metadata"
             )
     return columns
+
+
+def _type_name(t: pa.DataType) -> str:
+    """A type as the docstring's table writes it (list child names and nullability ignored)."""
+    if pa.types.is_fixed_size_list(t):
+        return f"fixed_size_list<{_type_name(t.value_type)}>[{t.list_size}]"
+    return {pa.float16(): "float16", pa.float32(): "float32"}.get(t, str(t))
 
 
 def open_trace(path: str | os.PathLike) -> TraceReader:

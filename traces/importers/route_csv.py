@@ -143,6 +143,12 @@ def _read_rows(path: Path, where: str, body_line: int, progress: bool) -> dict[s
             f"{where}: the rows cannot be parsed ({' '.join(str(exc).split())[:200]}); fix the file"
         ) from None
     table = pa.Table.from_batches(batches, schema=reader.schema)
+    for name in COLUMNS:
+        column = table.column(name)
+        if column.null_count:  # an empty line or an empty field
+            row = int(np.argmax(column.is_null().to_numpy(zero_copy_only=False)))
+            raise _locate_bad_line(path, where, body_line) or InputError(
+                f"{where}: line {body_line + row}: column '{name}' is empty; fill in the value")
     return {name: table.column(name).to_numpy() for name in COLUMNS}
 
 
@@ -166,7 +172,7 @@ def _locate_bad_line(path: Path, where: str, body_line: int) -> InputError | Non
 
 
 def _to_trace(where: str, header: dict, rows: dict[str, np.ndarray], body_line: int):
-    num_layers, k = header["n_layer"], header["n_expert_used"]
+    num_layers, num_experts, k = header["n_layer"], header["n_expert"], header["n_expert_used"]
     line = body_line + np.arange(rows["turn"].shape[0])
 
     def fail(mask: np.ndarray, column: str, problem: str, fix: str):
@@ -175,10 +181,13 @@ def _to_trace(where: str, header: dict, rows: dict[str, np.ndarray], body_line: 
 
     for column, low, high in (("turn", 0, 2**31 - 1), ("step", 0, 2**31 - 1), ("phase", 0, 1),
                               ("layer", 0, num_layers - 1), ("slot", 0, k - 1),
-                              ("residency", 0, 1)):
+                              ("expert", 0, num_experts - 1), ("residency", 0, 1)):
         outside = (rows[column] < low) | (rows[column] > high)
         if outside.any():
             fail(outside, column, f"outside {low}..{high}", "fix the line or the header's model line")
+    bad_weight = ~np.isfinite(rows["weight"]) | (rows["weight"] < 0)
+    if bad_weight.any():
+        fail(bad_weight, "weight", "not a finite non-negative gate weight", "fix the line")
 
     order = np.lexsort((rows["slot"], rows["layer"], rows["step"], rows["turn"]))
     srt = {name: rows[name][order] for name in COLUMNS}

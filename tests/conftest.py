@@ -1,0 +1,25 @@
+"""Fixtures shared by the test modules."""
+from __future__ import annotations
+
+import pytest
+
+from traces.format import ArraySource
+from traces.synth import synth_trace
+
+
+@pytest.fixture
+def tiny_trace():
+    """Factory of small synthetic traces: ``tiny_trace(**overrides) -> ArraySource``.
+
+    Defaults: 64 tokens, 3 layers, 16 experts, top-2, seed 0, full logits, sequences of ~16
+    tokens of which most open with a short prefill prompt; any ``synth_trace`` option can be
+    overridden (``tokens``, ``layers``, ``experts``, ``top_k``, ``seed``, ``logits``, ...).
+    """
+
+    def make(**overrides) -> ArraySource:
+        options = dict(tokens=64, layers=3, experts=16, top_k=2, seed=0, logits="full",
+                       seq_tokens=16, prompt_tokens=5, prompt_share=0.8)
+        options.update(overrides)
+        return ArraySource(*synth_trace(**options))
+
+    return make

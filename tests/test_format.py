@@ -1,0 +1,344 @@
+"""The trace file format: round trip, chunking, bounded reads, atomic writes, bad input."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from traces.cli import main
+from traces.errors import InputError
+from traces.format import (
+    CHUNK_BYTES,
+    META_KEY,
+    PHASE_DECODE,
+    PHASE_PREFILL,
+    ArraySource,
+    TraceChunk,
+    TraceMeta,
+    TraceWriter,
+    concat_chunks,
+    default_max_tokens,
+    open_trace,
+    read_trace,
+    write_trace,
+)
+
+L, E, K = 3, 16, 2
+
+
+def make_meta(**overrides) -> TraceMeta:
+    values = dict(model="test-model", num_layers=L, num_experts=E, top_k=K, expert_bytes=[100, 200, 300],
+                  has_logits=True, has_residency=True, layer_ids=[1, 3, 5], domains=["code", "chat"],
+                  dense_bytes=[7, 8, 9], source="test", extra={"note": "round trip"})
+    values.update(overrides)
+    return TraceMeta(**values)
+
+
+def make_arrays(tokens: int = 40, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random token arrays in trace order: 3 sequences, each a prefill prompt then decode."""
+    rng = np.random.default_rng(seed)
+    seq = np.sort(rng.integers(0, 3, tokens)).astype(np.int32)
+    pos = (np.arange(tokens) - np.searchsorted(seq, seq)).astype(np.int32)
+    phase = np.where(pos < 4, PHASE_PREFILL, PHASE_DECODE).astype(np.int8)
+    logits = rng.standard_normal((tokens, L, E)).astype(np.float32)
+    experts = np.argsort(-logits, axis=-1)[..., :K]
+    return dict(
+        seq=seq, pos=pos, phase=phase, experts=experts,
+        weights=rng.uniform(0.1, 2.0, (tokens, L, K)).astype(np.float32),  # not normalised
+        logits=logits, residency=rng.integers(0, 2, (tokens, L, K)).astype(np.int8),
+        token_id=rng.integers(0, 50_000, tokens).astype(np.int32),
+        domain=rng.integers(0, 2, tokens).astype(np.int16),
+        nll=rng.uniform(0, 5, tokens).astype(np.float32),
+    )
+
+
+@pytest.fixture
+def good_file(tmp_path) -> Path:
+    path = tmp_path / "good.parquet"
+    arrays = make_arrays()
+    with TraceWriter(path, make_meta(), row_group_tokens=7) as writer:
+        writer.write(**{name: v[:15] for name, v in arrays.items()})
+        writer.write(**{name: v[15:] for name, v in arrays.items()})
+    return path
+
+
+def chunks_equal(a: TraceChunk, b: TraceChunk) -> bool:
+    return all(
+        (getattr(a, f.name) is None and getattr(b, f.name) is None)
+        or np.array_equal(getattr(a, f.name), getattr(b, f.name), equal_nan=True)
+        for f in fields(TraceChunk)
+    )
+
+
+def test_round_trip_keeps_every_column_and_the_metadata(good_file):
+    arrays = make_arrays()
+    meta, chunk = read_trace(good_file)
+    assert meta == make_meta()
+    assert pq.ParquetFile(good_file).metadata.num_row_groups == 6  # 40 tokens, 7 per row group
+    np.testing.assert_array_equal(chunk.seq, arrays["seq"])
+    np.testing.assert_array_equal(chunk.pos, arrays["pos"])
+    np.testing.assert_array_equal(chunk.phase, arrays["phase"])
+    np.testing.assert_array_equal(chunk.experts, arrays["experts"])
+    w = arrays["weights"]
+    np.testing.assert_allclose(chunk.gates, w / w.sum(-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(chunk.gates.sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(chunk.logits, arrays["logits"].astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(chunk.residency, arrays["residency"])
+    np.testing.assert_array_equal(chunk.token_id, arrays["token_id"])
+    np.testing.assert_array_equal(chunk.domain, arrays["domain"])
+    np.testing.assert_array_equal(chunk.nll, arrays["nll"])
+    assert chunk.experts.dtype == np.int32 and chunk.gates.dtype == np.float32
+    assert chunk.logits.dtype == np.float32 and chunk.group.dtype == np.int64
+    # groups: a prefill prompt is one group, every decode token its own
+    for s in np.unique(chunk.seq):
+        prompt = chunk.group[(chunk.seq == s) & (chunk.phase == PHASE_PREFILL)]
+        assert prompt.size and (prompt == prompt[0]).all()
+    decode = chunk.group[chunk.phase == PHASE_DECODE]
+    assert np.unique(decode).size == decode.size
+    assert chunk.group[0] == 0 and (np.diff(chunk.group) >= 0).all()
+
+
+def test_optional_columns_absent_read_as_documented(tmp_path):
+    meta = make_meta(has_logits=False, has_residency=False)
+    arrays = make_arrays(12)
+    path = tmp_path / "plain.parquet"
+    with TraceWriter(path, meta) as writer:
+        writer.write(**{n: arrays[n] for n in ("seq", "pos", "phase", "experts", "weights")})
+    _, chunk = read_trace(path)
+    assert chunk.logits.shape == (0, L, E) and chunk.residency.shape == (0, L, K)
+    assert (chunk.domain == -1).all() and (chunk.token_id == -1).all() and chunk.nll is None
+    assert set(pq.ParquetFile(path).schema_arrow.names) == {"seq", "pos", "layer", "phase", "experts",
+                                                            "weights"}
+
+
+def test_write_trace_of_a_read_chunk_reads_back_equal(good_file, tmp_path):
+    meta, chunk = read_trace(good_file)
+    copy = tmp_path / "copy.parquet"
+    write_trace(copy, meta, chunk)
+    again = read_trace(copy)[1]
+    np.testing.assert_allclose(again.gates, chunk.gates, rtol=1e-6)  # renormalised once more
+    again.gates = chunk.gates
+    assert chunks_equal(again, chunk)
+
+
+def test_empty_trace(tmp_path):
+    path = tmp_path / "empty.parquet"
+    with TraceWriter(path, make_meta()):
+        pass
+    reader = open_trace(path)
+    assert reader.num_tokens == 0 and list(reader.iter_chunks()) == []
+    assert read_trace(path)[1].num_tokens == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8, 13, 1000])
+def test_chunks_hold_whole_groups_and_join_to_the_whole(tiny_trace, tmp_path, max_tokens):
+    source = tiny_trace()
+    path = tmp_path / "tiny.parquet"
+    with TraceWriter(path, source.meta, row_group_tokens=5) as writer:
+        writer.write_chunk(source.chunk)
+    _, whole = read_trace(path)
+    reader = open_trace(path)
+    chunks = list(reader.iter_chunks(max_tokens))
+    for chunk in chunks:
+        single_group = (chunk.group == chunk.group[0]).all()
+        assert chunk.num_tokens <= max_tokens or single_group
+    for before, after in zip(chunks, chunks[1:], strict=False):
+        assert after.group[0] == before.group[-1] + 1  # a cut only between groups
+    assert chunks_equal(concat_chunks(chunks), whole)
+    assert list(map(len, (c.seq for c in reader.iter_chunks(max_tokens)))) == [c.num_tokens for c in chunks]
+    # reversed: the same chunks, last first
+    backwards = list(reader.iter_chunks_reversed(max_tokens))
+    assert len(backwards) == len(chunks)
+    assert all(chunks_equal(a, b) for a, b in zip(backwards, chunks[::-1], strict=True))
+    # the in-memory source cuts the same way
+    memory = list(ArraySource(source.meta, whole).iter_chunks(max_tokens))
+    assert all(chunks_equal(a, b) for a, b in zip(memory, chunks, strict=True))
+    memory_back = list(ArraySource(source.meta, whole).iter_chunks_reversed(max_tokens))
+    assert all(chunks_equal(a, b) for a, b in zip(memory_back, backwards, strict=True))
+
+
+def test_reads_go_by_row_group_and_chunks_stay_small(tiny_trace, tmp_path, monkeypatch):
+    source = tiny_trace(tokens=2000, layers=4, experts=32, seq_tokens=200, prompt_tokens=20)
+    path = tmp_path / "larger.parquet"
+    with TraceWriter(path, source.meta, row_group_tokens=64) as writer:
+        writer.write_chunk(source.chunk)
+    rows_read = []
+    read_row_group = pq.ParquetFile.read_row_group
+
+    def spy(self, i, *args, **kwargs):
+        table = read_row_group(self, i, *args, **kwargs)
+        rows_read.append((i, table.num_rows))
+        return table
+
+    def whole_file(*args, **kwargs):
+        raise AssertionError("the reader must not read the whole file")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+    monkeypatch.setattr(pq.ParquetFile, "read", whole_file)
+    reader = open_trace(path)
+    groups = reader._pf.metadata.num_row_groups
+    for iterate in (reader.iter_chunks, reader.iter_chunks_reversed):
+        rows_read.clear()
+        sizes = [(c.num_tokens, (c.group == c.group[0]).all()) for c in iterate(50)]
+        assert all(n <= 50 or one_group for n, one_group in sizes)
+        assert sum(n for n, _ in sizes) == 2000
+        assert max(rows for _, rows in rows_read) <= 64 * 4
+        assert sorted(i for i, _ in rows_read) == list(range(groups))  # each row group once
+
+
+def test_default_chunk_size_follows_the_decoded_bytes(tiny_trace):
+    for logits in ("full", "none"):
+        source = tiny_trace(tokens=200, layers=6, experts=256, top_k=8, logits=logits)
+        chunk = source.chunk
+        per_token = sum(getattr(chunk, f.name).nbytes for f in fields(TraceChunk)
+                        if getattr(chunk, f.name) is not None) / chunk.num_tokens
+        tokens = default_max_tokens(source.meta)
+        assert 0.9 * CHUNK_BYTES <= tokens * per_token <= 1.1 * CHUNK_BYTES, (logits, tokens, per_token)
+    with_logits = make_meta(num_layers=48, num_experts=512, top_k=10, expert_bytes=[1] * 48,
+                            layer_ids=[], dense_bytes=[])
+    assert default_max_tokens(with_logits) < default_max_tokens(
+        make_meta(**{**asdict(with_logits), "has_logits": False})) / 20
+
+
+def test_interrupted_write_leaves_no_file(tmp_path):
+    path = tmp_path / "out.parquet"
+    arrays = make_arrays()
+    with pytest.raises(KeyboardInterrupt), TraceWriter(path, make_meta(), row_group_tokens=4) as writer:
+        writer.write(**arrays)
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    path.write_bytes(b"previous")
+    with pytest.raises(InputError), TraceWriter(path, make_meta()) as writer:
+        bad = dict(arrays, experts=np.full_like(arrays["experts"], E))
+        writer.write(**bad)
+    assert path.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["out.parquet"]
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def rewrite(good: Path, out: Path, table: pa.Table | None = None, meta: dict | None = None,
+            drop_meta: bool = False) -> Path:
+    table = table if table is not None else pq.read_table(good)
+    metadata = dict(pq.read_schema(good).metadata)
+    if meta is not None:
+        metadata[META_KEY] = json.dumps(meta).encode()
+    if drop_meta:
+        del metadata[META_KEY]
+    pq.write_table(table.replace_schema_metadata(metadata), out)
+    return out
+
+
+def with_values(table: pa.Table, name: str, change) -> pa.Table:
+    """The table with a list column's values (rows, width) changed in place by ``change``."""
+    column = table.column(name).combine_chunks()
+    values = column.flatten().to_numpy(zero_copy_only=False).reshape(table.num_rows, -1).copy()
+    change(values)
+    array = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+    return table.set_column(table.schema.get_field_index(name), name, array)
+
+
+def written(out: Path, data: bytes) -> Path:
+    out.write_bytes(data)
+    return out
+
+
+def take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    return table.take(pa.array(rows))
+
+
+def meta_dict(**changes) -> dict:
+    return {**asdict(make_meta()), **changes}
+
+
+def set_at(row: int, col: int, value):
+    def change(values):
+        values[row, col] = value
+    return change
+
+
+def duplicate_first(values):
+    values[10, 1] = values[10, 0]
+
+
+BAD_FILES = {
+    # name: (how to make it from the good file, words the message must contain)
+    "not_parquet": (lambda good, out: written(out, b"turn,phase\n1,2\n"), ["Parquet"]),
+    "truncated": (lambda good, out: written(out, good.read_bytes()[:900]), ["Parquet"]),
+    "no_metadata": (lambda good, out: rewrite(good, out, drop_meta=True), ["'moe_trace'"]),
+    "bad_json": (lambda good, out: pq.write_table(pq.read_table(good).replace_schema_metadata(
+        {META_KEY: b"{not json"}), out) or out, ["'moe_trace'", "JSON"]),
+    "schema_version": (lambda good, out: rewrite(good, out, meta=meta_dict(schema_version=2)),
+                       ["'schema_version'", "supports schema_version 1"]),
+    "expert_bytes_length": (lambda good, out: rewrite(good, out, meta=meta_dict(expert_bytes=[1, 2])),
+                            ["'expert_bytes'", "one byte size per MoE layer"]),
+    "top_k_mismatch": (lambda good, out: rewrite(good, out, meta=meta_dict(top_k=3)),
+                       ["'experts'", "top_k 3"]),
+    "num_experts_mismatch": (lambda good, out: rewrite(good, out, meta=meta_dict(num_experts=E + 1)),
+                             ["'logits'", f"num_experts {E + 1}"]),
+    "missing_column": (lambda good, out: rewrite(good, out, pq.read_table(good).drop_columns(["weights"])),
+                       ["'weights'", "missing"]),
+    "missing_logits": (lambda good, out: rewrite(good, out, pq.read_table(good).drop_columns(["logits"])),
+                       ["'logits'", "has_logits"]),
+    "wrong_type": (lambda good, out: rewrite(good, out, pq.read_table(good).set_column(
+        0, "seq", pq.read_table(good).column("seq").cast(pa.int64()))), ["'seq'", "int32"]),
+    "missing_layer_row": (lambda good, out: rewrite(good, out, take_rows(
+        pq.read_table(good), np.delete(np.arange(40 * L), 7))), ["num_layers", "missing layers"]),
+    "layers_out_of_order": (lambda good, out: rewrite(good, out, take_rows(
+        pq.read_table(good), np.r_[0:6, 7, 6, 8:40 * L])), ["'layer'", "row 6"]),
+    "tokens_out_of_order": (lambda good, out: rewrite(good, out, take_rows(
+        pq.read_table(good), np.r_[0:3 * L, 4 * L:5 * L, 3 * L:4 * L, 5 * L:40 * L])),
+        ["'seq/pos'", "order rows"]),
+    "expert_too_large": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "experts", set_at(20, 1, E))), ["'experts'", f"expert id {E}", "0..15"]),
+    "expert_negative": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "experts", set_at(20, 0, -3))), ["'experts'", "expert id -3"]),
+    "duplicate_expert": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "experts", duplicate_first)), ["'experts'", "repeats"]),
+    "weight_nan": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "weights", set_at(30, 0, np.nan))), ["'weights'", "not finite"]),
+    "weight_inf": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "weights", set_at(30, 1, np.inf))), ["'weights'"]),
+    "weight_negative": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "weights", set_at(31, 0, -0.5))), ["'weights'", "non-negative"]),
+    "logit_nan": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "logits", set_at(50, 3, np.nan))), ["'logits'", "NaN"]),
+    "residency_value": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "residency", set_at(5, 0, 7))), ["'residency'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_file_raises_one_line_naming_file_field_and_fix(case, good_file, tmp_path, capsys):
+    make, words = BAD_FILES[case]
+    bad = make(good_file, tmp_path / f"{case}.parquet")
+    with pytest.raises(InputError) as caught:
+        read_trace(bad)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(str(bad)), message
+    assert all(word in message for word in words), message
+    assert ";" in message  # the fix follows the problem
+    # the CLI: exit 2, one line on stderr, nothing on stdout, nothing written
+    before = sorted(tmp_path.iterdir())
+    assert main(["info", str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("moe-trace: error: ")
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InputError, match="no such trace file"):
+        open_trace(tmp_path / "absent.parquet")
+
+
+def test_writer_rejects_bad_metadata(tmp_path):
+    with pytest.raises(InputError, match="'expert_bytes'"):
+        TraceWriter(tmp_path / "x.parquet", make_meta(expert_bytes=[1]))
+    with pytest.raises(InputError, match="'top_k'"):
+        TraceWriter(tmp_path / "x.parquet", make_meta(top_k=E + 1))
+    assert list(tmp_path.iterdir()) == []
