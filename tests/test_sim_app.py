@@ -27,7 +27,7 @@ SUMMARY_KEYS = (
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("trace") / "synth.parquet"
-    meta, chunk = synth_trace(tokens=300, layers=4, experts=32, top_k=4, seed=3, logits="full")
+    meta, chunk = synth_trace(tokens=300, layers=4, experts=32, top_k=4, seed=3, logits="full", prompt_tokens=32)
     write_trace(path, meta, chunk)
     return path
 
@@ -48,6 +48,7 @@ def test_single_run_writes_complete_consistent_outputs(trace, tmp_path):
     for key in SUMMARY_KEYS:
         assert key in summary, key
     calls = summary["expert_calls"]
+    assert summary["decode_tokens"] > 100 and summary["prefill_tokens"] > 0
     assert calls == summary["decode_tokens"] * 4 * 4
     assert summary["hits"] + summary["fetches"] + summary["substitutions"] + summary["cpu_calls"] == calls
     assert summary["policy"] == "quality_first" and summary["substitute_by"] == "logit"
@@ -102,12 +103,10 @@ def test_bad_config_exits_2_with_one_line_and_no_output(trace, tmp_path, overrid
 def test_bad_traces_exit_2_with_one_line_and_no_output(trace, tmp_path):
     truncated = tmp_path / "truncated.parquet"
     truncated.write_bytes(trace.read_bytes()[: trace.stat().st_size // 2])
-    for path, field in ((tmp_path / "missing.parquet", "trace.path"), (truncated, "truncated")):
+    for path, field in ((tmp_path / "missing.parquet", "trace.path"), (truncated, "Parquet")):
         out = tmp_path / f"run_{path.stem}"
         proc = moe_sim(f"trace.path={path}", f"hydra.run.dir={out}")
-        assert proc.returncode == 2, proc.stderr
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("moe-sim: error:"), proc.stderr
+        _one_error_line(proc, field)
         assert not out.exists()
 
 
