@@ -24,6 +24,7 @@ from traces.format import (
     concat_chunks,
     default_max_tokens,
     open_trace,
+    plan_chunks,
     read_trace,
     write_trace,
 )
@@ -342,3 +343,34 @@ def test_writer_rejects_bad_metadata(tmp_path):
     with pytest.raises(InputError, match="'top_k'"):
         TraceWriter(tmp_path / "x.parquet", make_meta(top_k=E + 1))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_row_groups_that_split_tokens_read_the_same(good_file, tmp_path):
+    odd = tmp_path / "odd.parquet"
+    pq.write_table(pq.read_table(good_file), odd, row_group_size=5)  # 5 rows: tokens of 3 rows split
+    assert pq.ParquetFile(odd).metadata.num_row_groups > 1
+    _, whole = read_trace(good_file)
+    reader = open_trace(odd)
+    for max_tokens in (1, 4, 100):
+        assert chunks_equal(concat_chunks(list(reader.iter_chunks(max_tokens))), whole)
+        assert chunks_equal(concat_chunks(list(reader.iter_chunks_reversed(max_tokens))[::-1]), whole)
+
+
+def test_plan_from_a_stream_of_pieces_equals_the_plan_from_one():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        num_tokens = int(rng.integers(1, 300))
+        starts = np.flatnonzero(rng.random(num_tokens) < rng.uniform(0.05, 1.0))
+        starts = np.union1d([0], starts)
+        max_tokens = int(rng.integers(1, 40))
+        whole = plan_chunks([starts], num_tokens, max_tokens)
+        cuts = np.sort(rng.integers(0, starts.size + 1, 4))
+        pieces = np.split(starts, cuts)
+        assert np.array_equal(plan_chunks(iter(pieces), num_tokens, max_tokens), whole)
+        assert whole[0, 0] == 0 and whole[-1, 1] == num_tokens
+        assert (whole[1:, 0] == whole[:-1, 1]).all() and np.isin(whole[:, 0], starts).all()
+        group_of = np.searchsorted(starts, whole[:, 0])
+        assert (whole[:, 2] == group_of).all()
+        sizes = whole[:, 1] - whole[:, 0]
+        one_group = np.searchsorted(starts, whole[:, 1], side="left") - group_of == 1
+        assert ((sizes <= max_tokens) | one_group).all()

@@ -280,8 +280,7 @@ def make_chunk(
     cols = _columns(meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
                     logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
     t, num_layers = cols["seq"].shape[0], meta.num_layers
-    weights = cols["weights"].astype(np.float32)
-    gates = weights / weights.sum(axis=-1, keepdims=True)
+    gates = cols["weights"] / cols["weights"].sum(axis=-1, keepdims=True)
     logits = cols.get("logits")
     residency = cols.get("residency")
     return TraceChunk(
@@ -323,8 +322,8 @@ def _columns(meta: TraceMeta, **arrays) -> dict[str, np.ndarray]:
         value = np.asarray(value)
         if value.shape != shape:
             raise ValueError(f"'{name}' has shape {value.shape}, expected {shape}")
-        if name == "experts" and value.size and (value.min() < -1 or value.max() >= 2**15):
-            raise ValueError("'experts' ids do not fit int16")
+        if name == "experts" and value.size and (value.min() < -(2**15) or value.max() >= 2**15):
+            raise ValueError("'experts' ids do not fit int16 (the on-disk type)")
         # logits keep their precision in memory; they are rounded to float16 only on disk
         cols[name] = value if name == "logits" else np.ascontiguousarray(value, dtype=dtype)
     return cols
