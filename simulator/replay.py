@@ -1,0 +1,882 @@
+"""moe-replay: execute a policy for real on a GPU and compare its time per token with the simulator.
+
+Three steps, each a subcommand:
+
+``plan`` (anywhere; needs the moe-sim configs, so Hydra): for each policy and resident fraction,
+run the reference engine (:class:`simulator.engine.reference.ReferenceSimulator`) one step at a
+time over the trace, with the moe-sim config of that policy and the given hardware profile, and
+record what it did: hits, synchronous fetches, substitutes, background transfers and their
+completions, evictions. The decisions are turned into slot operations (which physical GPU slot an
+expert lives in) and saved as one ``.npz`` plan. Decisions never depend on measured time, so
+planning ahead is exact.
+
+``run`` (the GPU host; plain argparse, numpy and torch only): execute a plan. Expert weights of
+real size live in pinned host memory (``--host-layers`` layers of them; the trace's layer l reads
+host layer ``l % host_layers``, because a whole model's experts rarely fit in host RAM); a GPU
+array of expert slots holds the resident ones. Per step, on the compute stream: wait for the
+background transfers the simulator completes at this step, the non-expert layer (the kernels
+``moe-calibrate`` times), the synchronous fetches as real host-to-device copies, then one real
+SwiGLU expert kernel per rank (hit, fetched or substitute; a CUDA graph per slot). Background
+admissions are real copies on a second, lower-priority stream, issued after the step's
+synchronous fetches. Time per token comes from CUDA events, synchronised per token.
+
+``compare`` (anywhere, CPU): simulate the same trace, policies, fractions and profile through
+the moe-sim configs, and write docs/VALIDATION.md with measured against simulated ms per token.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from simulator.calibrate import (
+    MIB,
+    MODELS,
+    ExpertKernel,
+    ModelDims,
+    NonExpertLayer,
+    _tiny,
+    _torch,
+    capture_graph,
+    host_facts,
+    resolve_device,
+)
+from traces.errors import EXIT_INPUT_ERROR, InputError
+from traces.format import PHASE_DECODE
+
+POLICIES = ("fetch_all", "rule015", "first_choice", "quality_first", "speed_first")
+FRACTIONS = (0.10, 0.25, 0.50)
+PLAN_VERSION = 1
+
+
+def log(msg: str) -> None:
+    print(f"[moe-replay {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- planning
+
+# engine events, in the order the engine produced them
+_ENQUEUE, _START, _COMPLETE, _INSERT, _EVICT, _BODY = range(6)
+
+
+class _LoggedDeque(deque):
+    """A deque that logs (code, expert) on append / popleft; ``key`` picks the expert of an item."""
+
+    def __init__(self, log: list, key: int, on_append: int | None, on_popleft: int | None):
+        super().__init__()
+        self._log, self._key, self._on_append, self._on_popleft = log, key, on_append, on_popleft
+
+    def append(self, item) -> None:
+        super().append(item)
+        if self._on_append is not None:
+            self._log.append((self._on_append, item[self._key]))
+
+    def popleft(self):
+        item = super().popleft()
+        if self._on_popleft is not None:
+            self._log.append((self._on_popleft, item[self._key]))
+        return item
+
+
+def _recording_engine():
+    """The reference engine with its cache and link changes logged (it only observes)."""
+    from simulator.engine.reference import ReferenceSimulator
+
+    class RecordingSimulator(ReferenceSimulator):
+        def __init__(self, params, meta):
+            super().__init__(params, meta)
+            self.events: list[tuple[int, int]] = []
+            self.queue = _LoggedDeque(self.events, 0, _ENQUEUE, None)  # (x, enqueue time)
+            self.completions = _LoggedDeque(self.events, 1, _START, _COMPLETE)  # (end, x)
+
+        def _insert(self, x, step):
+            super()._insert(x, step)
+            self.events.append((_INSERT, x))
+
+        def _evict(self, x):
+            super()._evict(x)
+            self.events.append((_EVICT, x))
+
+        def _begin_step(self, layer, phase):
+            out = super()._begin_step(layer, phase)
+            self.events.append((_BODY, -1))
+            return out
+
+    return RecordingSimulator
+
+
+@dataclass
+class StepOps:
+    """What the GPU does in one step, in slot terms (slots index the GPU expert-slot array)."""
+
+    group: int
+    layer: int
+    waits: list[int] = field(default_factory=list)  # background transfer ids to wait for first
+    fetches: list[tuple[int, int]] = field(default_factory=list)  # (expert x, slot), in order
+    background: list[tuple[int, int, int]] = field(default_factory=list)  # (x, slot, transfer id)
+    experts: list[tuple[int, int]] = field(default_factory=list)  # (slot, expert x it must hold) per rank
+
+
+class _Slots:
+    """Physical GPU slots: a free list and the high-water mark."""
+
+    def __init__(self):
+        self.free: list[int] = []
+        self.count = 0
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.count += 1
+        return self.count - 1
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+def _transferred_enqueues(events: list[tuple[int, int]]) -> set[int]:
+    """Indices of ENQUEUE events whose background transfer the engine started (not dropped)."""
+    last: dict[int, int] = {}
+    out = set()
+    for i, (code, x) in enumerate(events):
+        if code == _ENQUEUE:
+            last[x] = i
+        elif code == _START:
+            out.add(last.pop(x))
+    return out
+
+
+def _step_ops(group: int, layer: int, events, transferred, decision, E: int, st: dict) -> StepOps:
+    """Turn one step's engine events and decision into slot operations (updates ``st``)."""
+    from simulator.engine.params import CPU, FETCH, FORCED_FETCH, HIT, SUBSTITUTE
+
+    slots: _Slots = st["slots"]
+    slot_of: dict[int, int] = st["slot_of"]
+    staging: dict[int, tuple[int, int]] = st["staging"]
+    ops = StepOps(group, layer)
+    n = len(events)
+    i = 0
+    # step start: background completions (and the evictions their admission causes)
+    while i < n and events[i][1] != _BODY:
+        code, x = events[i][1:]
+        if code == _COMPLETE:
+            slot, tid = staging.pop(x)
+            ops.waits.append(tid)
+            if i + 1 < n and events[i + 1][1:] == (_INSERT, x):
+                slot_of[x] = slot
+                i += 1
+            else:  # already resident (fetched meanwhile): the copy is wasted, as in the model
+                slots.give(slot)
+        elif code == _EVICT:
+            slots.give(slot_of.pop(x))
+        i += 1
+    i += 1  # the BODY marker
+    ends = []
+    for idx, code, x in events[i:]:
+        if code == _INSERT:
+            slot = slots.take()
+            slot_of[x] = slot
+            ops.fetches.append((x, slot))
+        elif code == _ENQUEUE and idx in transferred:
+            slot = slots.take()
+            tid = st["next_tid"]
+            st["next_tid"] += 1
+            staging[x] = (slot, tid)
+            ops.background.append((x, slot, tid))
+        elif code == _EVICT:
+            ends.append(x)
+    base = layer * E
+    for e, code, sub in zip(decision.experts, decision.codes, decision.substitutes, strict=True):
+        if code in (HIT, FETCH, FORCED_FETCH):
+            ops.experts.append((slot_of[base + e], base + e))
+        elif code == SUBSTITUTE:
+            ops.experts.append((slot_of[base + sub], base + sub))
+        elif code == CPU:
+            raise InputError("moe-replay executes GPU policies; policy.miss_action=cpu is not supported")
+    for x in ends:  # the step-end trim
+        slots.give(slot_of.pop(x))
+    return ops
+
+
+@dataclass
+class RunPlan:
+    """One policy at one resident fraction: slot operations per step and the engine's times."""
+
+    name: str
+    policy: str
+    fraction: float
+    overrides: list[str]
+    steps: list[StepOps]
+    initial: list[tuple[int, int]]  # (expert x, slot) resident before the first step
+    group_phase: np.ndarray  # int8[G]
+    sim_decode_us: np.ndarray  # float64[D]: the engine's decode-token times, trace order
+    num_slots: int
+    num_transfers: int
+    counts: dict
+
+
+def plan_run(params, meta, chunk, name: str, policy: str, fraction: float, overrides: list[str]) -> RunPlan:
+    """Run the reference engine step by step and turn its decisions into a :class:`RunPlan`."""
+    from simulator.engine import after_group, warmup_counts
+    from simulator.engine.params import INITS
+    from traces.format import ArraySource
+
+    Sim = _recording_engine()
+    sim = Sim(params, meta)
+    L, E = meta.num_layers, meta.num_experts
+    st = dict(slots=_Slots(), slot_of={}, staging={}, next_tid=0)
+    initial = []  # (x, slot): the warm cache, copied in before timing starts
+    if params.init == INITS["frequency"]:
+        counts, last_warmup_group = warmup_counts(ArraySource(meta, chunk), params)
+        sim.warm(counts)
+        chunk = after_group(chunk, last_warmup_group)
+        for code, x in sim.events:
+            if code == _INSERT:
+                st["slot_of"][x] = slot = st["slots"].take()
+                initial.append((x, slot))
+    has_logits = chunk.logits.shape[0] > 0
+    raw: list[tuple[int, int, int, object]] = []  # (group, layer, first event index, decision)
+    phases = []
+    bounds = np.flatnonzero(np.diff(chunk.group, prepend=-1, append=-1)).tolist()  # group starts, then T
+    for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        phase = int(chunk.phase[a])
+        phases.append(phase)
+        sim.begin_group(phase, b - a, chunk.group[a], chunk.seq[a:b], chunk.pos[a:b], chunk.domain[a:b])
+        for layer in range(L):
+            first = len(sim.events)
+            if phase == PHASE_DECODE:
+                d = sim.decode_step(layer, chunk.experts[a, layer], chunk.gates[a, layer],
+                                    chunk.logits[a, layer] if has_logits else None)
+            else:
+                d = sim.prefill_step(layer, chunk.experts[a:b, layer])
+            raw.append((g, layer, first, d))
+        sim.end_group()
+    events = sim.events
+    transferred = _transferred_enqueues(events)
+    steps = []
+    for j, (g, layer, first, d) in enumerate(raw):
+        stop = raw[j + 1][2] if j + 1 < len(raw) else len(events)
+        indexed = [(k, *events[k]) for k in range(first, stop)]
+        steps.append(_step_ops(g, layer, indexed, transferred, d, E, st))
+    r = sim.result()
+    decode = r.phase == PHASE_DECODE
+    counts = dict(
+        hits=int(r.hits[decode].sum()), fetches=int(r.fetches[decode].sum()),
+        substitutions=int(r.substitutions[decode].sum()),
+        background_transfers=st["next_tid"], background_admissions=int(r.background_admissions),
+        prefill_lookups=int(r.prefill_lookups),
+    )
+    return RunPlan(name=name, policy=policy, fraction=fraction, overrides=overrides, steps=steps, initial=initial,
+                   group_phase=np.array(phases, np.int8), sim_decode_us=r.time_us[decode].copy(),
+                   num_slots=st["slots"].count, num_transfers=st["next_tid"], counts=counts)
+
+
+def _csr(lists: list[list], width: int) -> tuple[np.ndarray, np.ndarray]:
+    off = np.zeros(len(lists) + 1, np.int64)
+    off[1:] = np.cumsum([len(x) for x in lists])
+    flat = np.array([v for x in lists for v in x], np.int64).reshape(-1, width) if off[-1] else np.zeros((0, width), np.int64)
+    return off, flat
+
+
+def save_plans(path: Path, header: dict, plans: list[RunPlan]) -> None:
+    """Plans as one compressed npz (CSR arrays per run) with a JSON header."""
+    arrays = {}
+    runs = []
+    for p in plans:
+        k = p.name
+        arrays[f"{k}.group"] = np.array([s.group for s in p.steps], np.int32)
+        arrays[f"{k}.layer"] = np.array([s.layer for s in p.steps], np.int32)
+        for name, lists, width in (
+            ("waits", [[(t,) for t in s.waits] for s in p.steps], 1),
+            ("fetches", [s.fetches for s in p.steps], 2),
+            ("background", [s.background for s in p.steps], 3),
+            ("experts", [s.experts for s in p.steps], 2),
+        ):
+            off, flat = _csr(lists, width)
+            arrays[f"{k}.{name}_off"], arrays[f"{k}.{name}"] = off, flat
+        arrays[f"{k}.initial"] = np.array(p.initial, np.int64).reshape(-1, 2)
+        arrays[f"{k}.group_phase"] = p.group_phase
+        arrays[f"{k}.sim_decode_us"] = p.sim_decode_us
+        runs.append(dict(name=k, policy=p.policy, fraction=p.fraction, overrides=p.overrides,
+                         num_slots=p.num_slots, num_transfers=p.num_transfers, counts=p.counts))
+    header = dict(header, version=PLAN_VERSION, runs=runs)
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(path)
+
+
+def load_plans(path: Path) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+    """(header, {run name: arrays}) of a saved plan file."""
+    if not path.exists():
+        raise InputError(f"plan file {path} does not exist; make one with 'moe-replay plan'")
+    z = np.load(path)
+    header = json.loads(bytes(z["header"]).decode())
+    if header.get("version") != PLAN_VERSION:
+        raise InputError(f"{path}: plan version {header.get('version')!r}; re-plan with this moe-replay")
+    runs = {}
+    for r in header["runs"]:
+        pre = r["name"] + "."
+        runs[r["name"]] = {k[len(pre):]: z[k] for k in z.files if k.startswith(pre)}
+    return header, runs
+
+
+def verify_plan(arrays: dict[str, np.ndarray]) -> None:
+    """Check a plan's slot operations symbolically; raise ValueError on the first hazard.
+
+    Every expert kernel must read a slot that holds the expert it stands for, written by a
+    finished copy (synchronous, or background and waited for); no copy may target a slot whose
+    background copy is still in flight.
+    """
+    holds: dict[int, int] = {int(slot): int(x) for x, slot in arrays["initial"]}
+    in_flight: dict[int, tuple[int, int]] = {}  # transfer id -> (slot, x)
+    busy: set[int] = set()  # slots with a background copy in flight
+    w_off, w = arrays["waits_off"], arrays["waits"]
+    f_off, f = arrays["fetches_off"], arrays["fetches"]
+    b_off, b = arrays["background_off"], arrays["background"]
+    e_off, e = arrays["experts_off"], arrays["experts"]
+    for s in range(len(arrays["group"])):
+        for (tid,) in w[w_off[s] : w_off[s + 1]]:
+            slot, x = in_flight.pop(int(tid))
+            busy.discard(slot)
+            holds[slot] = x
+        for x, slot in f[f_off[s] : f_off[s + 1]]:
+            if slot in busy:
+                raise ValueError(f"step {s}: fetch into slot {slot} while a background copy writes it")
+            holds[int(slot)] = int(x)
+        for x, slot, tid in b[b_off[s] : b_off[s + 1]]:
+            if slot in busy:
+                raise ValueError(f"step {s}: background copy into busy slot {slot}")
+            holds.pop(int(slot), None)
+            busy.add(int(slot))
+            in_flight[int(tid)] = (int(slot), int(x))
+        for slot, x in e[e_off[s] : e_off[s + 1]]:
+            if holds.get(int(slot)) != int(x):
+                raise ValueError(f"step {s}: expert {int(x)} runs from slot {int(slot)}, which holds "
+                                 f"{holds.get(int(slot))}")
+
+
+def compose_run_config(trace: str, policy: str, fraction: float, model: str | None, profile: dict,
+                       extra: Sequence[str] = ()) -> tuple[dict, list[str]]:
+    """The plain moe-sim config (and its overrides) for one run, hardware replaced by ``profile``."""
+    from omegaconf import OmegaConf
+
+    from simulator.run import compose
+
+    overrides = [f"trace.path={trace}", f"policy={policy}", f"cache.fraction={fraction}", *extra]
+    if model:
+        overrides.append(f"model={model}")
+    cfg = OmegaConf.to_container(compose(overrides), resolve=True)
+    cfg["hardware"] = profile
+    return cfg, overrides
+
+
+def load_profile(path: str) -> dict:
+    """A hardware profile YAML as a dict (validated)."""
+    import yaml
+
+    from simulator.hardware import validate_profile
+
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"--profile {path} does not exist; give a profile YAML (conf/hardware/*.yaml)")
+    profile = yaml.safe_load(p.read_text())
+    validate_profile(profile, origin=f"hardware profile {path}")
+    return profile
+
+
+def cmd_plan(args) -> None:
+    from simulator.run import build_params, open_source
+
+    profile = load_profile(args.profile)
+    runs = []
+    header = None
+    for policy in _split(args.policies):
+        for fraction in (float(f) for f in _split(args.fractions)):
+            cfg, overrides = compose_run_config(args.trace, policy, fraction, args.model, profile, args.override)
+            source = open_source(cfg["trace"])
+            meta = source.meta
+            chunk = _whole(source)
+            params, _ = build_params(cfg, meta)
+            t0 = time.perf_counter()
+            name = f"{policy}@{fraction:g}"
+            plan = plan_run(params, meta, chunk, name, policy, fraction, overrides)
+            log(f"planned {name}: {len(plan.steps)} steps, {plan.num_slots} slots, "
+                f"{plan.num_transfers} background transfers, simulated "
+                f"{plan.sim_decode_us.mean() / 1e3:.3f} ms/token ({time.perf_counter() - t0:.1f} s)")
+            runs.append(plan)
+            if header is None:
+                header = dict(trace=args.trace, profile=args.profile, profile_name=profile.get("name"),
+                              model=args.model or meta.model, trace_model=meta.model,
+                              num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k,
+                              expert_bytes=int(params.expert_bytes[0]), extra_overrides=list(args.override))
+    save_plans(Path(args.out), header, runs)
+    _, saved = load_plans(Path(args.out))
+    for arrays in saved.values():
+        verify_plan(arrays)
+    log(f"verified the slot operations of {len(saved)} runs")
+    log(f"wrote {args.out}")
+
+
+def _whole(source):
+    from traces.format import concat_chunks
+
+    chunks = list(source.iter_chunks())
+    return chunks[0] if len(chunks) == 1 else concat_chunks(chunks)
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+# --------------------------------------------------------------------------- execution
+
+
+class Executor:
+    """GPU (or, for tests, CPU) state for executing plans: host experts, slots, kernels, streams."""
+
+    def __init__(self, dims: ModelDims, device, dtype, num_slots: int, host_layers: int,
+                 num_experts: int, expert_mode: str, ctx: int, rotate: int = 4):
+        torch = _torch()
+        self.torch, self.device, self.dtype = torch, device, dtype
+        self.cuda = device.type == "cuda"
+        self.dims = dims
+        self.E = num_experts
+        self.host_layers = host_layers
+        numel = 3 * dims.hidden * dims.expert_intermediate
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.expert_bytes = numel * itemsize
+        t0 = time.perf_counter()
+        # host experts, pinned, in chunks of <= 2 GiB (the pinned allocator rounds sizes up)
+        n_host = host_layers * num_experts
+        per_chunk = max(1, (2 << 30) // self.expert_bytes)
+        self.host = []
+        for start in range(0, n_host, per_chunk):
+            n = min(per_chunk, n_host - start)
+            block = torch.empty((n, numel), dtype=dtype, pin_memory=self.cuda)
+            fill = torch.randn((min(n, 64), numel), device=device, dtype=dtype) * 0.02
+            for j in range(0, n, fill.shape[0]):
+                m = min(fill.shape[0], n - j)
+                block[j : j + m].copy_(fill[:m])
+            self.host.extend(block.unbind(0))
+        log(f"host: {n_host} experts ({n_host * self.expert_bytes / 2**30:.1f} GiB{' pinned' if self.cuda else ''}, "
+            f"{host_layers} layers x {num_experts}) in {time.perf_counter() - t0:.1f} s")
+        self.slots_mem = torch.empty((num_slots, numel), dtype=dtype, device=device)
+        self.slots = list(self.slots_mem.unbind(0))
+        log(f"gpu: {num_slots} expert slots ({num_slots * self.expert_bytes / 2**30:.1f} GiB)")
+        self.kern = ExpertKernel(dims.hidden, dims.expert_intermediate, device, dtype)
+        kinds = {}
+        for layer in range(dims.num_layers):
+            kinds.setdefault(dims.is_full_attention(layer), []).append(layer)
+        self.nonexpert = {}
+        for full in kinds:
+            self.nonexpert[full] = [
+                NonExpertLayer(dims, full, device, dtype, ctx, self.kern.x, self.kern.y) for _ in range(rotate)
+            ]
+        self.rotate = rotate
+        self.mode = expert_mode if self.cuda else "eager"
+        if self.cuda:
+            self.compute = torch.cuda.Stream(priority=-1)
+            self.background = torch.cuda.Stream(priority=0)
+            self._capture()
+        else:
+            self.compute = self.background = None
+
+    def _capture(self) -> None:
+        torch = self.torch
+        cap = torch.cuda.Stream()
+        cap.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(cap):
+            for layers in self.nonexpert.values():
+                for layer in layers:
+                    layer.run()
+            self.kern.run(self.slots[0])
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        self.nonexpert_graphs = {
+            full: [capture_graph(layer.run, cap, pool) for layer in layers] for full, layers in self.nonexpert.items()
+        }
+        self.expert_graphs = []
+        if self.mode == "graph":
+            t0 = time.perf_counter()
+            for s, w in enumerate(self.slots):
+                self.expert_graphs.append(capture_graph(lambda w=w: self.kern.run(w), cap, pool))
+                if (s + 1) % 2000 == 0:
+                    log(f"captured {s + 1}/{len(self.slots)} expert graphs")
+            log(f"captured {len(self.slots)} expert graphs in {time.perf_counter() - t0:.1f} s")
+        torch.cuda.synchronize()
+        # first replays upload the graphs: do them before anything is timed
+        with torch.cuda.stream(self.compute):
+            for g in self.expert_graphs:
+                g.replay()
+            for gs in self.nonexpert_graphs.values():
+                for g in gs:
+                    g.replay()
+        torch.cuda.synchronize()
+
+    def _nonexpert(self, layer: int):
+        full = self.dims.is_full_attention(layer)
+        i = (layer // 1) % self.rotate
+        if self.cuda:
+            return self.nonexpert_graphs[full][i].replay
+        return self.nonexpert[full][i].run
+
+    def execute(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """Run one plan; returns the measured time of every group in microseconds."""
+        torch = self.torch
+        E, HL, L = self.E, self.host_layers, self.dims.num_layers
+        host, slots = self.host, self.slots
+        group, layer_of = arrays["group"].tolist(), arrays["layer"].tolist()
+        w_off, w = arrays["waits_off"].tolist(), arrays["waits"][:, 0].tolist()
+        f_off, f = arrays["fetches_off"].tolist(), arrays["fetches"].tolist()
+        b_off, b = arrays["background_off"].tolist(), arrays["background"].tolist()
+        e_off, e = arrays["experts_off"].tolist(), arrays["experts"][:, 0].tolist()  # column 1: the expert
+        num_groups = len(arrays["group_phase"])
+        nonexpert = [self._nonexpert(layer) for layer in range(L)]
+        if self.cuda and self.mode == "graph":
+            run_expert = [g.replay for g in self.expert_graphs]
+        else:
+            kern = self.kern
+            run_expert = [lambda s=s: kern.run(s) for s in slots]
+
+        def src(x: int):
+            return host[(x // E) % HL * E + x % E]
+
+        for x, slot in arrays["initial"].tolist():  # the warm cache, untimed
+            slots[slot].copy_(src(x), non_blocking=True)
+        if self.cuda:
+            torch.cuda.synchronize()
+        cuda = self.cuda
+        events: dict[int, object] = {}
+        times = np.zeros(num_groups)
+        Event = torch.cuda.Event if cuda else None
+        ctx = torch.cuda.stream(self.compute) if cuda else _Null()
+        n = len(group)
+        with ctx:
+            s = 0
+            while s < n:
+                g = group[s]
+                if cuda:
+                    start, end = Event(enable_timing=True), Event(enable_timing=True)
+                    start.record()
+                else:
+                    t0 = time.perf_counter()
+                while s < n and group[s] == g:
+                    for k in range(w_off[s], w_off[s + 1]):
+                        ev = events.pop(w[k])
+                        if cuda:
+                            self.compute.wait_event(ev)
+                    nonexpert[layer_of[s]]()
+                    for k in range(f_off[s], f_off[s + 1]):
+                        x, slot = f[k]
+                        slots[slot].copy_(src(x), non_blocking=True)
+                    if b_off[s] < b_off[s + 1]:
+                        if cuda:
+                            after_sync = Event()
+                            after_sync.record(self.compute)
+                            self.background.wait_event(after_sync)
+                            with torch.cuda.stream(self.background):
+                                for k in range(b_off[s], b_off[s + 1]):
+                                    x, slot, tid = b[k]
+                                    slots[slot].copy_(src(x), non_blocking=True)
+                                    done = Event()
+                                    done.record(self.background)
+                                    events[tid] = done
+                        else:
+                            for k in range(b_off[s], b_off[s + 1]):
+                                x, slot, tid = b[k]
+                                slots[slot].copy_(src(x))
+                                events[tid] = None
+                    for k in range(e_off[s], e_off[s + 1]):
+                        run_expert[e[k]]()
+                    s += 1
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    times[g] = start.elapsed_time(end) * 1e3
+                else:
+                    times[g] = (time.perf_counter() - t0) * 1e6
+        if cuda:
+            torch.cuda.synchronize()
+        return times
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def cmd_run(args) -> None:
+    torch = _torch()
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny shapes: threads only contend
+    header, runs = load_plans(Path(args.plan))
+    model = header.get("model")
+    if args.tiny or device.type == "cpu":
+        dims = _tiny(MODELS.get(model, MODELS["qwen3_next_80b_a3b"]))
+    elif model in MODELS:
+        dims = MODELS[model]
+    else:
+        raise InputError(f"plan's model '{model}' has no shapes here; known: {', '.join(MODELS)}")
+    dims = ModelDims(**{**dims.__dict__, "num_layers": header["num_layers"],
+                        "num_experts": header["num_experts"], "top_k": header["top_k"]})
+    dtype = getattr(torch, args.dtype)
+    if not (args.tiny or device.type == "cpu") and dims.expert_bytes(2) != header["expert_bytes"]:
+        log(f"warning: trace expert_bytes {header['expert_bytes']} != {model} expert "
+            f"{dims.expert_bytes(2)} bytes; timing the model's shapes")
+    selected = [r for r in header["runs"] if not args.only or r["name"] in _split(args.only)]
+    num_slots = max(r["num_slots"] for r in selected)
+    host_layers = min(args.host_layers, header["num_layers"])
+    facts = host_facts(device)
+    log(f"host: {facts.get('gpu')}; {len(selected)} runs; model {model}; {host_layers} host layers")
+    ex = Executor(dims, device, dtype, num_slots, host_layers, header["num_experts"], args.expert_mode, args.ctx)
+    out = dict(header={k: v for k, v in header.items() if k != "runs"}, host=facts, device=str(device),
+               host_layers=host_layers, expert_mode=ex.mode, dims=dims.__dict__, repeats=args.repeats,
+               dtype=args.dtype, runs=[])
+    rows = []
+    for r in selected:
+        arrays = runs[r["name"]]
+        decode = arrays["group_phase"] == PHASE_DECODE
+        reps = []
+        for rep in range(args.repeats):
+            t0 = time.perf_counter()
+            times = ex.execute(arrays)
+            reps.append(times[decode])
+            log(f"{r['name']:>20s} rep {rep}: measured {times[decode].mean() / 1e3:8.3f} ms/token, "
+                f"simulated {arrays['sim_decode_us'].mean() / 1e3:8.3f} ({time.perf_counter() - t0:.1f} s)")
+        measured = np.mean(reps, axis=0)
+        per_group = np.zeros((3, len(arrays["group_phase"])), np.int64)
+        steps_group = arrays["group"]
+        for row, name in enumerate(("fetches", "background", "waits")):
+            np.add.at(per_group[row], steps_group, np.diff(arrays[f"{name}_off"]))
+        out["runs"].append(dict(
+            name=r["name"], policy=r["policy"], fraction=r["fraction"], overrides=r["overrides"],
+            counts=r["counts"], num_slots=r["num_slots"],
+            measured_ms_per_token=float(measured.mean() / 1e3),
+            simulated_ms_per_token=float(arrays["sim_decode_us"].mean() / 1e3),
+            repeat_ms_per_token=[float(t.mean() / 1e3) for t in reps],
+            measured_us=[round(float(v), 2) for v in measured],
+            simulated_us=[round(float(v), 2) for v in arrays["sim_decode_us"]],
+            fetches_per_token=per_group[0][decode].tolist(),
+            background_per_token=per_group[1][decode].tolist(),
+            waits_per_token=per_group[2][decode].tolist(),
+        ))
+        rows.append(out["runs"][-1])
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "replay.json").write_text(json.dumps(out) + "\n")
+    with open(outdir / "replay.csv", "w", newline="") as fh:
+        wr = csv.writer(fh)
+        wr.writerow(["policy", "fraction", "measured_ms_per_token", "simulated_ms_per_token"])
+        for row in rows:
+            wr.writerow([row["policy"], row["fraction"], f"{row['measured_ms_per_token']:.4f}",
+                         f"{row['simulated_ms_per_token']:.4f}"])
+    log(f"wrote {outdir / 'replay.json'} and {outdir / 'replay.csv'}")
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def compare_runs(measured: dict, profile: dict, simulate) -> list[dict]:
+    """Per run: measured and simulated ms per token. ``simulate(overrides, profile) -> summary``."""
+    rows = []
+    for r in measured["runs"]:
+        summary = simulate(r["overrides"], profile)
+        sim = summary["ms_per_token"]
+        meas = r["measured_ms_per_token"]
+        rows.append(dict(policy=r["policy"], fraction=r["fraction"], measured_ms=meas, simulated_ms=sim,
+                         rel_err=(sim - meas) / meas, stall_ms=summary.get("stall_ms_per_token"),
+                         device_sim_ms=r.get("simulated_ms_per_token"), counts=r.get("counts", {})))
+    return rows
+
+
+def speedups(rows: list[dict], baseline: str = "fetch_all") -> list[dict]:
+    """Speedup of each policy over the baseline at the same fraction, measured and simulated."""
+    base = {r["fraction"]: r for r in rows if r["policy"] == baseline}
+    out = []
+    for r in rows:
+        b = base.get(r["fraction"])
+        if b is None or r["policy"] == baseline:
+            continue
+        m = b["measured_ms"] / r["measured_ms"]
+        s = b["simulated_ms"] / r["simulated_ms"]
+        out.append(dict(policy=r["policy"], fraction=r["fraction"], measured=m, simulated=s, rel_err=(s - m) / m))
+    return out
+
+
+def simulate_with_profile(overrides: list[str], profile: dict, engine: str = "reference") -> dict:
+    """The moe-sim summary for these overrides with ``profile`` as the hardware section."""
+    from omegaconf import OmegaConf
+
+    from simulator.run import compose, simulate_config
+
+    cfg = OmegaConf.to_container(compose(list(overrides) + [f"engine={engine}"]), resolve=True)
+    cfg["hardware"] = profile
+    return simulate_config(cfg)[0]
+
+
+def per_token_fit(measured: dict, key: str = "measured_us") -> dict | None:
+    """Least squares over every decode token of every run: time = a + b * fetches + c * background.
+
+    ``fetches``: synchronous fetches of the token; ``background``: background transfers issued in
+    it. Returns the base (us per token), the cost per fetch and per background transfer (us).
+    """
+    rows, y = [], []
+    for r in measured["runs"]:
+        f, b = r.get("fetches_per_token"), r.get("background_per_token")
+        if not f or len(f) != len(r[key]):
+            return None
+        rows += [[1.0, fi, bi] for fi, bi in zip(f, b, strict=True)]
+        y += r[key]
+    if len(rows) < 3:
+        return None
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
+    return dict(base_us=float(coef[0]), per_fetch_us=float(coef[1]), per_background_us=float(coef[2]))
+
+
+def render_validation(measured: dict, profile: dict, profile_path: str, rows: list[dict], speed: list[dict],
+                      fit: dict | None, tolerance: float = 0.10) -> str:
+    """docs/VALIDATION.md: the measured-vs-simulated table, the speedups and the diagnosis."""
+    h = measured["header"]
+    host = measured.get("host", {})
+    dims = measured.get("dims", {})
+    out = io.StringIO()
+    w = out.write
+    w("# Validation: simulated against measured time per token\n\n")
+    w("Generated by `moe-replay compare`; the numbers come from `moe-replay run` on a GPU host "
+      "(see the reproduction commands at the end).\n\n")
+    w("## Set-up\n\n")
+    w(f"- Host: {host.get('gpu', '?')}, PCIe {host.get('pcie', '?')} (link {host.get('pcie_current', '?')} when "
+      f"queried), CPU {host.get('cpu', '?')} x{host.get('cpu_count', '?')}, torch {host.get('torch', '?')}.\n")
+    w(f"- Hardware profile: `{profile_path}` ({profile.get('source')}, {profile['host'].get('date')}): PCIe "
+      f"{profile['pcie']['latency_us']} us + bytes / {profile['pcie']['bandwidth_gbps']} GB/s per copy.\n")
+    comp = (profile.get("compute") or {}).get(h.get("model"), {})
+    if comp:
+        w(f"- Measured compute for `{h.get('model')}`: expert {comp.get('gpu_expert_us')} us (batch 1, CUDA graph), "
+          f"non-expert {comp.get('nonexpert_layer_us')} us per layer.\n")
+    w(f"- Trace: `{h.get('trace')}`: {h.get('num_layers')} layers x {h.get('num_experts')} experts, "
+      f"top-{h.get('top_k')}, {len(measured['runs'][0].get('measured_us', []))} decode tokens, full logits; "
+      f"expert {h.get('expert_bytes', 0) / MIB:.2f} MiB; replayed expert {dims.get('hidden')}x"
+      f"{dims.get('expert_intermediate')} SwiGLU, {measured.get('dtype', 'bfloat16')}.\n")
+    w(f"- Replay: {measured.get('host_layers')} layers of experts in pinned host memory (trace layer l reads "
+      f"host layer l mod {measured.get('host_layers')}: the model's 48 x 512 experts, 155 GB, exceed the "
+      f"host's RAM), experts run as `{measured.get('expert_mode')}` kernels, {measured.get('repeats')} "
+      "repeat(s) per run, per-token times from "
+      f"{'CUDA events' if str(measured.get('device', '')).startswith('cuda') else 'the wall clock'}, "
+      "synchronised per token.\n")
+    w("- Simulated: `moe-sim` (reference engine) with the same trace, policy preset, "
+      "`cache.fraction`, `model` and profile; cold cache.\n\n")
+    w("## Time per decode token\n\n")
+    w("| policy | resident | measured ms/token | simulated ms/token | error | within 10 % |\n")
+    w("|---|---:|---:|---:|---:|:---:|\n")
+    for r in rows:
+        ok = abs(r["rel_err"]) <= tolerance
+        w(f"| {r['policy']} | {r['fraction']:.0%} | {r['measured_ms']:.3f} | {r['simulated_ms']:.3f} | "
+          f"{r['rel_err']:+.1%} | {'yes' if ok else '**no**'} |\n")
+    errs = [abs(r["rel_err"]) for r in rows]
+    w(f"\nMean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}; "
+      f"{sum(e <= tolerance for e in errs)} of {len(errs)} rows within {tolerance:.0%}.\n\n")
+    w("## Speedup over fetch_all\n\n")
+    w("| policy | resident | measured | simulated | error | within 10 % |\n|---|---:|---:|---:|---:|:---:|\n")
+    for s in speed:
+        if s["policy"] not in ("quality_first", "speed_first"):
+            continue
+        ok = abs(s["rel_err"]) <= tolerance
+        w(f"| {s['policy']} | {s['fraction']:.0%} | {s['measured']:.2f}x | {s['simulated']:.2f}x | "
+          f"{s['rel_err']:+.1%} | {'yes' if ok else '**no**'} |\n")
+    w("\nOther policies (rule015, first_choice):\n\n")
+    w("| policy | resident | measured | simulated |\n|---|---:|---:|---:|\n")
+    for s in speed:
+        if s["policy"] in ("quality_first", "speed_first"):
+            continue
+        w(f"| {s['policy']} | {s['fraction']:.0%} | {s['measured']:.2f}x | {s['simulated']:.2f}x |\n")
+    sim_fit = per_token_fit(measured, "simulated_us")
+    if fit and sim_fit:
+        per_copy = profile["pcie"]["latency_us"] + h.get("expert_bytes", 0) / (profile["pcie"]["bandwidth_gbps"] * 1e3)
+        w("\n## Where the time goes\n\n")
+        w(f"A least-squares fit of measured ms/token over the runs against fetches and background "
+          f"transfers per token gives {fit['per_fetch_us']:.1f} us per synchronous fetch "
+          f"(profile: {per_copy:.1f} us per expert copy) and {fit['per_background_us']:.1f} us per "
+          f"background transfer on the critical path, over a base of {fit['base_us'] / 1e3:.3f} ms per "
+          f"token. The same fit of the simulated times: {sim_fit['per_fetch_us']:.1f} us per fetch, "
+          f"{sim_fit['per_background_us']:.1f} us per background transfer, base "
+          f"{sim_fit['base_us'] / 1e3:.3f} ms.\n")
+    return out.getvalue()
+
+
+def cmd_compare(args) -> None:
+    measured = json.loads(Path(args.measured).read_text())
+    profile = load_profile(args.profile)
+    rows = compare_runs(measured, profile, lambda o, p: simulate_with_profile(o, p, args.engine))
+    speed = speedups(rows)
+    text = render_validation(measured, profile, args.profile, rows, speed, per_token_fit(measured))
+    if args.notes and Path(args.notes).exists():
+        text += "\n" + Path(args.notes).read_text()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    for r in rows:
+        print(f"{r['policy']:>14s} {r['fraction']:.2f}: measured {r['measured_ms']:8.3f}  "
+              f"simulated {r['simulated_ms']:8.3f}  error {r['rel_err']:+.1%}")
+    log(f"wrote {args.out}")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-replay", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pl = sub.add_parser("plan", help="decide with the reference engine, save slot operations")
+    pl.add_argument("--trace", required=True, help="trace file (Parquet)")
+    pl.add_argument("--profile", required=True, help="hardware profile YAML the decisions are timed with")
+    pl.add_argument("--policies", default=",".join(POLICIES), help="policy presets (conf/policy)")
+    pl.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS), help="resident fractions")
+    pl.add_argument("--model", default="qwen3_next_80b_a3b", help="model preset (conf/model); '' = from the trace")
+    pl.add_argument("--override", action="append", default=[], help="extra moe-sim override (repeatable)")
+    pl.add_argument("--out", required=True, help="plan file to write (.npz)")
+    rn = sub.add_parser("run", help="execute a plan on the GPU and time every token")
+    rn.add_argument("--plan", required=True, help="plan file from 'moe-replay plan'")
+    rn.add_argument("--out", required=True, help="directory for replay.json and replay.csv")
+    rn.add_argument("--device", default="cuda", help="cuda, or cpu (tiny shapes, for tests)")
+    rn.add_argument("--tiny", action="store_true", help="tiny expert and layer shapes (tests)")
+    rn.add_argument("--dtype", default="bfloat16")
+    rn.add_argument("--host-layers", type=int, default=8, help="layers of experts held in pinned host memory")
+    rn.add_argument("--expert-mode", choices=("graph", "eager"), default="graph")
+    rn.add_argument("--ctx", type=int, default=1024, help="KV-cache length of full-attention layers")
+    rn.add_argument("--repeats", type=int, default=1, help="executions per run (times averaged per token)")
+    rn.add_argument("--only", default="", help="comma-separated run names to execute (default: all)")
+    cp = sub.add_parser("compare", help="simulate the same runs and write docs/VALIDATION.md")
+    cp.add_argument("measured", help="replay.json from 'moe-replay run'")
+    cp.add_argument("--profile", required=True, help="hardware profile YAML")
+    cp.add_argument("--out", default="docs/VALIDATION.md")
+    cp.add_argument("--engine", default="reference", choices=("reference", "numba"))
+    cp.add_argument("--notes", default=None, help="a Markdown file appended to the report")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        {"plan": cmd_plan, "run": cmd_run, "compare": cmd_compare}[args.cmd](args)
+    except InputError as e:
+        print(f"moe-replay: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_INPUT_ERROR)
+
+
+if __name__ == "__main__":
+    main()
