@@ -117,12 +117,18 @@ def synth_meta(spec: SynthSpec) -> TraceMeta:
     )
 
 
+def checked_spec(**options) -> SynthSpec:
+    """A SynthSpec from keyword options, checked (InputError names a bad option)."""
+    spec = SynthSpec(**options)
+    spec.check()
+    return spec
+
+
 def synth_trace(tokens: int, layers: int, experts: int, top_k: int, seed: int,
                 logits: str = "full", **options) -> tuple[TraceMeta, TraceChunk]:
     """A synthetic trace in memory: (meta, one chunk). ``options``: the other SynthSpec fields."""
-    spec = SynthSpec(tokens=tokens, layers=layers, experts=experts, top_k=top_k, seed=seed,
-                     logits=logits, **options)
-    spec.check()
+    spec = checked_spec(tokens=tokens, layers=layers, experts=experts, top_k=top_k, seed=seed,
+                        logits=logits, **options)
     meta = synth_meta(spec)
     blocks = list(synth_blocks(spec))
     return meta, make_chunk(meta, **{name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]})
@@ -131,9 +137,8 @@ def synth_trace(tokens: int, layers: int, experts: int, top_k: int, seed: int,
 def write_synth_trace(path: str | os.PathLike, tokens: int, layers: int, experts: int, top_k: int,
                       seed: int, logits: str = "full", progress: bool = False, **options) -> TraceMeta:
     """Generate and write a synthetic trace block by block (bounded memory); returns its meta."""
-    spec = SynthSpec(tokens=tokens, layers=layers, experts=experts, top_k=top_k, seed=seed,
-                     logits=logits, **options)
-    spec.check()
+    spec = checked_spec(tokens=tokens, layers=layers, experts=experts, top_k=top_k, seed=seed,
+                        logits=logits, **options)
     meta = synth_meta(spec)
     with TraceWriter(path, meta) as writer, tqdm(total=tokens, unit="tok", desc="synth",
                                                  disable=not progress) as bar:
@@ -169,7 +174,7 @@ class _Model:
         cum[:, -1] = 1.0
         self.cum = (cum + np.arange(num_layers * num_domains)[:, None]).reshape(-1)
         self.window_offset = rng.integers(0, spec.reuse_tokens, num_layers)
-        self.hash_key = np.uint64(np.random.SeedSequence(spec.seed, spawn_key=(3,)).generate_state(1, np.uint64)[0])
+        self.hash_key = np.random.SeedSequence(spec.seed, spawn_key=(3,)).generate_state(1, np.uint64)[0]
         self._sequences(rng)
 
     def _sequences(self, rng: np.random.Generator) -> None:
@@ -180,7 +185,7 @@ class _Model:
             more = rng.geometric(1.0 / spec.seq_tokens, size=max(16, spec.tokens // spec.seq_tokens))
             lengths.append(more)
             covered += int(more.sum())
-        lengths_all = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        lengths_all = np.concatenate(lengths)
         count = lengths_all.shape[0]
         prompt = np.minimum(rng.geometric(1.0 / spec.prompt_tokens, size=count), lengths_all - 1)
         self.prompt = np.where(rng.random(count) < spec.prompt_share, prompt, 0)
