@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -477,9 +477,9 @@ class TraceWriter:
         self.row_group_tokens = row_group_tokens or default_row_group_tokens(meta)
         if not self.path.parent.is_dir():
             raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        os.close(fd)
-        self._tmp = Path(tmp)
+        # a hidden name beside the target (same file system, so the final rename is atomic);
+        # created by the Parquet writer, so it gets the usual permissions
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         self._writer: pq.ParquetWriter | None = None
         self._schema: pa.Schema | None = None
         self._pending: list[dict[str, np.ndarray]] = []
