@@ -50,7 +50,11 @@ SCHEMA_VERSION = 1
 META_KEY = b"moe_trace"
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
-CHUNK_BYTES = 64 * 2**20  # decoded bytes a default chunk (and a written row group) aims at
+CHUNK_BYTES = 64 * 2**20  # decoded bytes a default chunk aims at
+# Arrow bytes of a written row group: decoding one (zstd pages, list levels) takes several times
+# this, and a reader holds one row group besides its chunk
+ROW_GROUP_BYTES = 16 * 2**20
+SCAN_ROWS = 2**20  # rows per batch when streaming the small columns to plan chunks
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _TOKEN_COLUMNS = {"token_id": -1, "domain": -1, "nll": np.nan}  # optional; value when absent
 
@@ -253,9 +257,9 @@ def default_max_tokens(meta: TraceMeta) -> int:
 
 
 def default_row_group_tokens(meta: TraceMeta) -> int:
-    """Tokens per written row group so that one row group in Arrow memory is ~CHUNK_BYTES."""
+    """Tokens per written row group so that one row group in Arrow memory is ~ROW_GROUP_BYTES."""
     rows = _token_bytes(meta, per_rank=6, per_logit=2, per_token=0) + 11 * meta.num_layers
-    return max(1, CHUNK_BYTES // rows)
+    return max(1, ROW_GROUP_BYTES // rows)
 
 
 def make_chunk(
@@ -614,11 +618,13 @@ class _RowGroups:
 
 
 def _numpy(table: pa.Table, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A column as a numpy array of ``shape`` (list columns flattened, copies)."""
-    values = table.column(name).combine_chunks()
-    if pa.types.is_fixed_size_list(values.type):
-        values = values.flatten()
-    return values.to_numpy(zero_copy_only=False).reshape(shape)
+    """A column as a numpy array of ``shape`` (list columns flattened), copied out of Arrow."""
+    pieces = []
+    for piece in table.column(name).chunks:
+        if pa.types.is_fixed_size_list(piece.type):
+            piece = piece.flatten()
+        pieces.append(piece.to_numpy(zero_copy_only=False))  # a view where Arrow allows
+    return np.concatenate(pieces).reshape(shape)
 
 
 class TraceReader:
@@ -699,7 +705,7 @@ class TraceReader:
         prev: tuple[int, int, int] | None = None  # (seq, pos, phase) of the last token seen
         first_token = 0
         batches = _whole_token_rows(self._pf, ["seq", "pos", "layer", "phase"],
-                                    max(1, 2**22 // num_layers), num_layers, self._where)
+                                    max(1, SCAN_ROWS // num_layers), num_layers, self._where)
         for rows in batches:
             by_token = {name: v.reshape(-1, num_layers) for name, v in rows.items()}
             mismatch = by_token["layer"] != expected_layers
