@@ -56,7 +56,7 @@ CHUNK_BYTES = 64 * 2**20  # decoded bytes a default chunk aims at
 ROW_GROUP_BYTES = 16 * 2**20
 SCAN_ROWS = 2**20  # rows per batch when streaming the small columns to plan chunks
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-_TOKEN_COLUMNS = {"token_id": -1, "domain": -1, "nll": np.nan}  # optional; value when absent
+_TOKEN_COLUMNS = ("token_id", "domain", "nll")  # optional per-token columns, in file order
 
 
 @dataclass
