@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import math
 import mmap
@@ -141,6 +142,17 @@ def fit_fixed_plus_bandwidth(sizes_bytes: Sequence[float], times_us: Sequence[fl
         raise InputError("fit found no positive bandwidth: times do not grow with size")
     err = max(abs(t - a - b * x) / t for x, t in zip(xs, ts, strict=True))
     return Fit(fixed_us=a, bandwidth_gbps=1.0 / b / 1e3, max_rel_err=err)
+
+
+def fit_or_rate(sizes_bytes: Sequence[float], times_us: Sequence[float], what: str) -> Fit:
+    """:func:`fit_fixed_plus_bandwidth`, or, where times do not grow with size (noise swamps a
+    small range), no fixed cost and the rate of the largest sample, with a warning."""
+    try:
+        return fit_fixed_plus_bandwidth(sizes_bytes, times_us)
+    except InputError as e:
+        x, t = max(zip(sizes_bytes, times_us, strict=True))
+        log(f"warning: {what}: {e}; using the rate at the largest size")
+        return Fit(0.0, x / t / 1e3, float("nan"))
 
 
 def median(values: Sequence[float]) -> float:
@@ -345,6 +357,143 @@ def check_expert_kernel(hidden: int, intermediate: int, device, dtype, graph: bo
     return float((k.y.double().cpu() - ref).norm() / ref.norm())
 
 
+@functools.cache
+def _triton_kernels():
+    """The batched expert kernels (Triton), compiled on first use; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def gate_up_kernel(slots, x, idx, count, counter, hbuf, numel, stride_idx,
+                       H: tl.constexpr, INTER: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+        # program (j, block): rows of expert j's gate and up projections, then SwiGLU
+        j = tl.program_id(0)
+        step = tl.load(counter)
+        n = tl.load(count + step)
+        if j < n:
+            slot = tl.load(idx + step * stride_idx + j).to(tl.int64)
+            base = slots + slot * numel
+            rows = tl.program_id(1) * BI + tl.arange(0, BI)
+            acc_g = tl.zeros([BI], dtype=tl.float32)
+            acc_u = tl.zeros([BI], dtype=tl.float32)
+            for h0 in range(0, H, BH):
+                cols = h0 + tl.arange(0, BH)
+                xv = tl.load(x + cols).to(tl.float32)
+                wg = tl.load(base + rows[:, None] * H + cols[None, :]).to(tl.float32)
+                wu = tl.load(base + (rows[:, None] + INTER) * H + cols[None, :]).to(tl.float32)
+                acc_g += tl.sum(wg * xv[None, :], axis=1)
+                acc_u += tl.sum(wu * xv[None, :], axis=1)
+            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(hbuf + j * INTER + rows, act)
+
+    @triton.jit
+    def down_kernel(slots, hbuf, gates, idx, count, counter, y, numel, stride_idx,
+                    H: tl.constexpr, INTER: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+        # program (block, j): output rows of expert j's down projection, added into y
+        j = tl.program_id(1)
+        step = tl.load(counter)
+        n = tl.load(count + step)
+        if j < n:
+            slot = tl.load(idx + step * stride_idx + j).to(tl.int64)
+            base = slots + slot * numel + 2 * INTER * H
+            rows = tl.program_id(0) * BO + tl.arange(0, BO)
+            acc = tl.zeros([BO], dtype=tl.float32)
+            for i0 in range(0, INTER, BI):
+                cols = i0 + tl.arange(0, BI)
+                hv = tl.load(hbuf + j * INTER + cols)
+                w = tl.load(base + rows[:, None] * INTER + cols[None, :]).to(tl.float32)
+                acc += tl.sum(w * hv[None, :], axis=1)
+            tl.atomic_add(y + rows, acc * tl.load(gates + j))
+
+    return gate_up_kernel, down_kernel
+
+
+def batched_available() -> bool:
+    return _triton_kernels() is not None
+
+
+class BatchedExperts:
+    """All routed experts of one step in two kernel launches, reading slot ids from the device.
+
+    ``slots``: [S, 3*H*INTER] expert weights (the layout of :func:`expert_views`). The ids of step
+    ``counter`` are ``idx[counter, :count[counter]]``; :meth:`run` computes
+    ``y += sum_j gate_j * expert_{idx_j}(x)`` and advances ``counter``, so one CUDA graph of it
+    serves every step (a real engine's grouped expert kernel does the same work).
+    ``y`` is float32 [1, H]; ``x`` is [1, H] in the weights' dtype.
+    """
+
+    BI, BH, BO, BI_DOWN = 16, 256, 32, 128
+
+    def __init__(self, slots, hidden: int, intermediate: int, max_n: int, max_steps: int, x, y):
+        torch = _torch()
+        kernels = _triton_kernels()
+        if kernels is None:
+            raise InputError("--expert-mode batched needs Triton (pip install triton); use graph or eager")
+        self.blocks = dict(BI=min(self.BI, intermediate), BH=min(self.BH, hidden),
+                           BO=min(self.BO, hidden), BI_DOWN=min(self.BI_DOWN, intermediate))
+        for b in self.blocks.values():
+            if b & (b - 1) or (hidden % b and intermediate % b):
+                raise InputError(f"batched experts need power-of-two hidden and intermediate sizes, got "
+                                 f"{hidden}x{intermediate}")
+        dev = slots.device
+        self.kernels, self.slots, self.x, self.y = kernels, slots, x, y
+        self.hidden, self.intermediate, self.max_n = hidden, intermediate, max_n
+        self.idx = torch.zeros((max_steps, max_n), dtype=torch.int32, device=dev)
+        self.count = torch.zeros(max_steps, dtype=torch.int32, device=dev)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.gates = torch.full((max_n,), 1.0 / max_n, dtype=torch.float32, device=dev)
+        self.hbuf = torch.empty((max_n, intermediate), dtype=torch.float32, device=dev)
+
+    def load(self, idx, count, gates=None) -> None:
+        """Step rows: idx int[steps, <= max_n] slot ids, count int[steps]; resets the counter."""
+        torch = _torch()
+        idx = torch.as_tensor(idx, dtype=torch.int32)
+        self.idx.zero_()
+        self.idx[: idx.shape[0], : idx.shape[1]].copy_(idx)
+        self.count.zero_()
+        self.count[: len(count)].copy_(torch.as_tensor(count, dtype=torch.int32))
+        if gates is not None:
+            self.gates.copy_(torch.as_tensor(gates, dtype=torch.float32))
+        self.counter.zero_()
+
+    def run(self) -> None:
+        gate_up, down = self.kernels
+        H, INTER = self.hidden, self.intermediate
+        numel, stride = self.slots.shape[1], self.idx.shape[1]
+        b = self.blocks
+        gate_up[(self.max_n, INTER // b["BI"])](
+            self.slots, self.x, self.idx, self.count, self.counter, self.hbuf, numel, stride,
+            H=H, INTER=INTER, BI=b["BI"], BH=b["BH"])
+        down[(H // b["BO"], self.max_n)](
+            self.slots, self.hbuf, self.gates, self.idx, self.count, self.counter, self.y, numel, stride,
+            H=H, INTER=INTER, BO=b["BO"], BI=b["BI_DOWN"])
+        self.counter.add_(1)
+
+
+def check_batched_experts(hidden: int, intermediate: int, n: int, device, dtype) -> float:
+    """Relative error of BatchedExperts against float64 on random slots, inputs and gates."""
+    torch = _torch()
+    numel = 3 * hidden * intermediate
+    slots = torch.randn((2 * n + 1, numel), device=device, dtype=dtype) * 0.05
+    x = torch.randn(1, hidden, device=device, dtype=dtype)
+    y = torch.zeros((1, hidden), device=device, dtype=torch.float32)
+    b = BatchedExperts(slots, hidden, intermediate, n, 1, x, y)
+    ids = torch.randperm(slots.shape[0])[:n]
+    gates = torch.rand(n)
+    b.load(ids[None, :], [n], gates)
+    b.run()
+    ref = torch.zeros(1, hidden, dtype=torch.float64)
+    xd = x.double().cpu()
+    for j, s in enumerate(ids.tolist()):
+        gu, down = (t.double().cpu() for t in expert_views(slots[s], hidden, intermediate))
+        g = xd @ gu.t()
+        ref += gates[j].double() * ((torch.nn.functional.silu(g[:, :intermediate]) * g[:, intermediate:]) @ down.t())
+    return float((y.double().cpu() - ref).norm() / ref.norm())
+
+
 class NonExpertLayer:
     """The non-routed part of one decoder layer at batch 1 (decode), for timing.
 
@@ -450,7 +599,7 @@ class NonExpertLayer:
         torch = _torch()
         F = torch.nn.functional
         d = self.dims
-        h = self.hidden_state + self.expert_output  # the previous layer's routed-expert output
+        h = self.hidden_state + self.expert_output.to(self.hidden_state.dtype)  # previous layer's experts
         self.expert_output.zero_()
         x = self._rms(h, self.norm_w)
         h = h + (self._attention(x) if self.full else self._linear_attention(x))
@@ -506,6 +655,31 @@ class Timer:
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) * 1e6 / n
+
+    def gpu_only_us(self, fn: Callable[[], None], n: int, lead_ms: float = 30.0) -> tuple[float, float]:
+        """(device us per call, host issue us per call) of n back-to-back calls of fn.
+
+        On a GPU a spin kernel of ``lead_ms`` runs first, so every call is queued before the
+        first one starts: the device time excludes the host's launch cost (what a busy engine
+        sees). On the CPU both numbers are the wall clock.
+        """
+        torch = self.torch
+        if not self.cuda:
+            t = self.time_us(fn, n)
+            return t, t
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(lead_ms * 1e-3 * 2.0e9))  # cycles at ~2 GHz; idle clocks only lengthen it
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        issue = (time.perf_counter() - t0) * 1e6 / n
+        end.record()
+        end.synchronize()
+        gpu = start.elapsed_time(end) * 1e3 / n
+        if issue * n > lead_ms * 1e3 * 0.9:
+            log(f"warning: issuing {n} calls took {issue * n / 1e3:.1f} ms, longer than the {lead_ms} ms lead")
+        return gpu, issue
 
     def wall_us(self, fn: Callable[[], None]) -> float:
         """Wall-clock microseconds of fn including a device synchronisation."""
@@ -741,12 +915,60 @@ def measure_gpu_expert(device, dtype, hidden: int, intermediate: int, reps: int,
             graphs[state["i"] % n].replay()
             state["i"] += 1
 
-        for _ in range(3):
+        for _ in range(n):  # the first replay of each graph uploads it
             replay()
-        res["graph_us"] = [timer.time_us(replay, inner) for _ in range(reps)]
-    eg = median(res["eager_us"])
-    gr = median(res["graph_us"]) if "graph_us" in res else float("nan")
-    log(f"expert {hidden}x{intermediate} {res['dtype']} ({res['bytes'] / MIB:.2f} MiB): eager {eg:.1f} us, graph {gr:.1f} us")
+        res["graph_issue_us"] = [timer.time_us(replay, inner) for _ in range(reps)]
+        both = [timer.gpu_only_us(replay, inner) for _ in range(reps)]
+        res["graph_gpu_us"] = [g for g, _ in both]
+        res["graph_launch_us"] = [i for _, i in both]
+    nan = float("nan")
+    log(f"expert {hidden}x{intermediate} {res['dtype']} ({res['bytes'] / MIB:.2f} MiB): eager "
+        f"{median(res['eager_us']):.1f} us; graph: {median(res.get('graph_issue_us', [nan])):.1f} us issue-bound, "
+        f"{median(res.get('graph_gpu_us', [nan])):.1f} us on the GPU, launch {median(res.get('graph_launch_us', [nan])):.1f} us")
+    return res
+
+
+def measure_batched(device, dtype, hidden: int, intermediate: int, top_k: int, reps: int,
+                    rotate_bytes: int = 512 * MIB) -> dict:
+    """Time of one step's experts through :class:`BatchedExperts` (CUDA graph), n = 1 and top_k.
+
+    Slot ids are random over enough experts to exceed the L2 cache; device time with the queue
+    pre-filled, and the host's launch cost per step.
+    """
+    torch = _torch()
+    timer = Timer(device)
+    numel = 3 * hidden * intermediate
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    n_slots = max(4 * top_k, math.ceil(rotate_bytes / (numel * itemsize)))
+    slots = torch.randn((n_slots, numel), device=device, dtype=dtype) * 0.02
+    x = torch.randn(1, hidden, device=device, dtype=dtype)
+    y = torch.zeros(1, hidden, device=device, dtype=torch.float32)
+    calls = 64
+    res = dict(hidden=hidden, intermediate=intermediate, top_k=top_k, dtype=str(dtype).removeprefix("torch."),
+               rotated=n_slots, gpu_us={}, launch_us={})
+    for n in sorted({1, top_k}):
+        b = BatchedExperts(slots, hidden, intermediate, top_k, calls + 8, x, y)
+        ids = torch.stack([torch.randperm(n_slots)[:top_k] for _ in range(calls + 8)])
+        b.load(ids, [n] * (calls + 8))
+        b.run()  # compile
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            g = capture_graph(b.run, stream)
+            step = g.replay
+        else:
+            step = b.run
+        gpu, launch = [], []
+        for _ in range(reps):
+            b.counter.zero_()
+            step()
+            t_gpu, t_launch = timer.gpu_only_us(step, calls)
+            gpu.append(t_gpu)
+            launch.append(t_launch)
+        res["gpu_us"][n], res["launch_us"][n] = gpu, launch
+        log(f"batched experts {hidden}x{intermediate}, {n} per step: {median(gpu):.1f} us on the GPU "
+            f"({median(gpu) / n:.2f} us per expert), launch {median(launch):.1f} us")
     return res
 
 
@@ -785,21 +1007,25 @@ def measure_nonexpert(device, dtype, model: str, dims: ModelDims, reps: int, ctx
                 graphs[state["i"] % rotate].replay()
                 state["i"] += 1
 
-            for _ in range(3):
+            for _ in range(rotate):
                 replay()
-            kind["graph_us"] = [timer.time_us(replay, 4 * rotate) for _ in range(reps)]
+            kind["graph_issue_us"] = [timer.time_us(replay, 4 * rotate) for _ in range(reps)]
+            both = [timer.gpu_only_us(replay, 8 * rotate) for _ in range(reps)]
+            kind["graph_gpu_us"] = [g for g, _ in both]
+            kind["graph_launch_us"] = [i for _, i in both]
         name = "full_attention" if full else "linear_attention"
         res["kinds"][name] = kind
-        log(f"non-expert {model} {name}: eager {median(kind['eager_us']):.1f} us, "
-            f"graph {median(kind['graph_us']) if 'graph_us' in kind else float('nan'):.1f} us "
-            f"({nbytes / 1e6:.1f} MB weights)")
+        nan = [float("nan")]
+        log(f"non-expert {model} {name}: eager {median(kind['eager_us']):.1f} us; graph "
+            f"{median(kind.get('graph_issue_us', nan)):.1f} us issue-bound, {median(kind.get('graph_gpu_us', nan)):.1f} us "
+            f"on the GPU, launch {median(kind.get('graph_launch_us', nan)):.1f} us ({nbytes / 1e6:.1f} MB weights)")
         del layers
     return res
 
 
-def nonexpert_layer_us(dims: ModelDims, res: dict, mode: str) -> float:
-    """Mean non-expert time over the model's layers (its mix of layer kinds)."""
-    per = {k: median(v[f"{mode}_us"]) for k, v in res["kinds"].items()}
+def nonexpert_layer_us(dims: ModelDims, res: dict, key: str) -> float:
+    """Mean non-expert time over the model's layers (its mix of layer kinds); ``key``: the series."""
+    per = {k: median(v[key]) for k, v in res["kinds"].items()}
     total = sum(
         per["full_attention" if dims.is_full_attention(layer) else "linear_attention"]
         for layer in range(dims.num_layers)
@@ -859,11 +1085,11 @@ def host_facts(device) -> dict:
 
 def _fit_series(samples: list[dict], **match) -> Fit:
     rows = [s for s in samples if all(s.get(k) == v for k, v in match.items())]
-    return fit_fixed_plus_bandwidth([r["bytes"] for r in rows], [median(r["times_us"]) for r in rows])
+    return fit_or_rate([r["bytes"] for r in rows], [median(r["times_us"]) for r in rows], f"copy fit {match}")
 
 
-def run_calibration(args) -> tuple[dict, dict]:
-    """Measure everything; return (profile dict, samples dict)."""
+def measure_all(args) -> dict:
+    """Run every measurement; return the samples (raw times, host facts, checks)."""
     torch = _torch()
     device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype, None)
@@ -877,37 +1103,43 @@ def run_calibration(args) -> tuple[dict, dict]:
     if cpu:  # tiny shapes: the test path exercises the code, not the host
         dims = {m: _tiny(MODELS[m]) for m in models}
         expert_shapes = cpu_shapes = [(64, 32), (128, 64), (256, 64)]
+        torch.set_num_threads(1)  # threads only contend at these sizes (CPU experts set their own)
     else:
         dims = {m: MODELS[m] for m in models}
         model_shapes = {(d.hidden, d.expert_intermediate) for d in dims.values()}
         expert_shapes = sorted(model_shapes | set(_parse_shapes(args.expert_shapes)))
         cpu_shapes = sorted(model_shapes | set(_parse_shapes(args.cpu_expert_shapes)))
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    expert_sizes = {d.expert_bytes(itemsize) for d in dims.values()}
-    if cpu:
-        torch.set_num_threads(1)  # tiny shapes: threads only contend (CPU experts set their own)
+    expert_sizes = sorted({d.expert_bytes(itemsize) for d in dims.values()})
     facts = host_facts(device)
     log(f"host: {facts.get('gpu')}, PCIe {facts.get('pcie')}, CPU {facts.get('cpu')} x{facts.get('cpu_count')}")
-    samples: dict = dict(host=facts, args=vars(args).copy(), checks={})
+    threads = args.cpu_threads or os.cpu_count() or 1
+    batched = device.type == "cuda" and batched_available()
+    samples: dict = dict(host=facts, args=vars(args).copy(), checks={}, date=_dt.date.today().isoformat(),
+                         models={m: d.__dict__ for m, d in dims.items()}, expert_bytes=expert_sizes,
+                         cpu_threads=threads, max_copy_bytes=4 * MIB if cpu else args.max_copy_mib * MIB)
     for d in dims.values():
-        for graph in (False, True) if device.type == "cuda" else (False,):
-            err = check_expert_kernel(d.hidden, d.expert_intermediate, device, dtype, graph)
-            samples["checks"][f"expert_{d.hidden}x{d.expert_intermediate}_{'graph' if graph else 'eager'}_rel_err"] = err
-            log(f"expert kernel {d.hidden}x{d.expert_intermediate} {'graph' if graph else 'eager'}: "
-                f"relative error {err:.2e} against float64")
+        checks = [("eager", lambda d=d: check_expert_kernel(d.hidden, d.expert_intermediate, device, dtype))]
+        if device.type == "cuda":
+            checks.append(("graph", lambda d=d: check_expert_kernel(d.hidden, d.expert_intermediate, device, dtype, True)))
+        if batched:
+            checks.append(("batched", lambda d=d: check_batched_experts(d.hidden, d.expert_intermediate, d.top_k, device, dtype)))
+        for label, check in checks:
+            try:
+                err = check()
+            except Exception as e:  # a broken Triton install must not cost the other measurements
+                if label != "batched":
+                    raise
+                log(f"warning: batched experts unavailable ({type(e).__name__}: {e}); measuring without them")
+                batched = False
+                continue
+            samples["checks"][f"expert_{d.hidden}x{d.expert_intermediate}_{label}_rel_err"] = err
+            log(f"expert kernel {d.hidden}x{d.expert_intermediate} {label}: relative error {err:.2e} against float64")
             if not err < 2e-2:
                 raise InputError(f"expert kernel check failed: relative error {err:.3g} against float64")
 
-    lo, hi = (64 * KIB, 4 * MIB) if cpu else (64 * KIB, args.max_copy_mib * MIB)
-    h2d = measure_h2d(device, copy_sizes(lo, hi, expert_sizes), args.reps)
-    samples["h2d"] = h2d
-    kind = "pageable" if cpu else "pinned"
-    fit_iso = _fit_series(h2d, kind=kind, mode="isolated")
-    fit_burst = _fit_series(h2d, kind=kind, mode="burst")
-    pageable = [s for s in h2d if s["kind"] == "pageable" and s["mode"] == "isolated"]
-    at_expert = min(pageable, key=lambda s: abs(s["bytes"] - max(expert_sizes)))
-    pageable_gbps = at_expert["bytes"] / median(at_expert["times_us"]) / 1e3
-    h2d_fit = fit_burst if args.copy_fit == "burst" else fit_iso
+    lo, hi = 64 * KIB, samples["max_copy_bytes"]
+    samples["h2d"] = measure_h2d(device, copy_sizes(lo, hi, expert_sizes), args.reps)
 
     ssd_samples, ssd_note = [], "not measured (--skip-ssd)"
     if not args.skip_ssd:
@@ -921,70 +1153,103 @@ def run_calibration(args) -> tuple[dict, dict]:
             except (InputError, OSError) as e:
                 ssd_note = f"not measured ({e})"
                 log(f"ssd: {ssd_note}")
-    if ssd_samples:
-        rnd = [s for s in ssd_samples if s["pattern"] == "random" and s["qd"] == 1]
-        ssd_fit = fit_fixed_plus_bandwidth([s["block_bytes"] for s in rnd], [s["median_us"] for s in rnd])
+    samples["ssd"], samples["ssd_note"] = ssd_samples, ssd_note
+    samples["ssd_fallback"] = [float(v) for v in args.ssd_fallback]
+
+    samples["gpu_expert"] = [measure_gpu_expert(device, dtype, h, i, args.reps) for h, i in expert_shapes]
+    if batched:
+        samples["batched"] = [measure_batched(device, dtype, d.hidden, d.expert_intermediate, d.top_k, args.reps)
+                              for d in dims.values()]
+    samples["nonexpert"] = {m: measure_nonexpert(device, dtype, m, d, args.reps, 64 if cpu else args.ctx)
+                            for m, d in dims.items()}
+    samples["cpu_expert"] = [measure_cpu_expert(h, i, dtype, threads, max(3, args.reps // 2)) for h, i in cpu_shapes]
+    return samples
+
+
+EXPERT_SERIES = {  # --expert-mode -> (per-expert series of one expert, non-expert series)
+    "batched": ("graph_gpu_us", "graph_gpu_us"),
+    "graph": ("graph_gpu_us", "graph_gpu_us"),
+    "graph-issue": ("graph_issue_us", "graph_issue_us"),
+    "eager": ("eager_us", "eager_us"),
+}
+
+
+def profile_from_samples(samples: dict, name: str, samples_file: str | None, expert_mode: str = "batched",
+                         copy_fit: str = "burst") -> tuple[dict, dict]:
+    """The profile (and the fits behind it) that a set of samples gives.
+
+    ``expert_mode`` says how the engine being modelled runs experts: ``batched`` (one grouped
+    kernel per step; device time, the host's launches hidden), ``graph`` (one CUDA graph per
+    expert, device time), ``graph-issue`` (the same, bound by the host's launch rate) or
+    ``eager``. The generic ``gpu`` fit uses the per-expert series of that mode.
+    """
+    if expert_mode not in EXPERT_SERIES:
+        raise InputError(f"--expert-mode {expert_mode}: choose one of {', '.join(EXPERT_SERIES)}")
+    h2d = samples["h2d"]
+    kind = "pinned" if any(s["kind"] == "pinned" for s in h2d) else "pageable"
+    fit_iso = _fit_series(h2d, kind=kind, mode="isolated")
+    fit_burst = _fit_series(h2d, kind=kind, mode="burst")
+    h2d_fit = fit_burst if copy_fit == "burst" else fit_iso
+    expert_sizes = samples["expert_bytes"]
+    pageable = [s for s in h2d if s["kind"] == "pageable" and s["mode"] == "isolated"]
+    at_expert = min(pageable, key=lambda s: abs(s["bytes"] - max(expert_sizes)))
+    pageable_gbps = at_expert["bytes"] / median(at_expert["times_us"]) / 1e3
+    if samples["ssd"]:
+        rnd = [s for s in samples["ssd"] if s["pattern"] == "random" and s["qd"] == 1]
+        ssd_fit = fit_or_rate([s["block_bytes"] for s in rnd], [s["median_us"] for s in rnd], "ssd fit")
     else:
-        ssd_fit = Fit(float(args.ssd_fallback[0]), float(args.ssd_fallback[1]), float("nan"))
-    samples["ssd"] = ssd_samples
-    samples["ssd_note"] = ssd_note
-
-    gpu_dev = device
-    experts = [measure_gpu_expert(gpu_dev, dtype, h, i, args.reps) for h, i in expert_shapes]
-    samples["gpu_expert"] = experts
-    mode = "eager" if cpu else args.expert_mode
-    gpu_fit = fit_fixed_plus_bandwidth([e["bytes"] for e in experts], [median(e[f"{mode}_us"]) for e in experts])
-
-    nonexpert = {m: measure_nonexpert(device, dtype, m, d, args.reps, 64 if cpu else args.ctx) for m, d in dims.items()}
-    samples["nonexpert"] = nonexpert
-
-    threads = args.cpu_threads or os.cpu_count() or 1
-    cpu_runs = [measure_cpu_expert(h, i, dtype, threads, max(3, args.reps // 2)) for h, i in cpu_shapes]
-    samples["cpu_expert"] = cpu_runs
-    cpu_fit = fit_fixed_plus_bandwidth([c["bytes"] for c in cpu_runs], [median(c["times_us"]) for c in cpu_runs])
-
+        ssd_fit = Fit(*samples["ssd_fallback"], float("nan"))
+    experts = samples["gpu_expert"]
+    expert_key, nonexpert_key = EXPERT_SERIES[expert_mode]
+    if not all(expert_key in e for e in experts):  # a CPU run has no graphs
+        expert_key = nonexpert_key = "eager_us"
+    gpu_fit = fit_or_rate([e["bytes"] for e in experts], [median(e[expert_key]) for e in experts], "gpu expert fit")
+    cpu_runs = samples["cpu_expert"]
+    cpu_fit = fit_or_rate([c["bytes"] for c in cpu_runs], [median(c["times_us"]) for c in cpu_runs], "cpu expert fit")
+    batched = {(b["hidden"], b["intermediate"]): b for b in samples.get("batched", [])}
+    if expert_mode == "batched" and not batched and expert_key != "eager_us":
+        log("warning: the samples have no batched-expert timings (no Triton there); the profile uses "
+            "--expert-mode graph")
+        expert_mode = "graph"
     compute, floors = {}, []
-    for m, d in dims.items():
-        ne = nonexpert_layer_us(d, nonexpert[m], mode)
+    for m, raw in samples["models"].items():
+        d = ModelDims(**raw)
+        ne = nonexpert_layer_us(d, samples["nonexpert"][m], nonexpert_key)
+        kinds = samples["nonexpert"][m]["kinds"]
         nbytes = statistics.mean(
-            nonexpert[m]["kinds"]["full_attention" if d.is_full_attention(layer) else "linear_attention"]["weight_bytes"]
+            kinds["full_attention" if d.is_full_attention(layer) else "linear_attention"]["weight_bytes"]
             for layer in range(d.num_layers)
         )
         floors.append(max(0.0, ne - nbytes / (gpu_fit.bandwidth_gbps * 1e3)))
-        e = next(x for x in experts if (x["hidden"], x["intermediate"]) == (d.hidden, d.expert_intermediate))
-        c = next(x for x in cpu_runs if (x["hidden"], x["intermediate"]) == (d.hidden, d.expert_intermediate))
-        compute[m] = dict(gpu_expert_us=median(e[f"{mode}_us"]), nonexpert_layer_us=ne, cpu_expert_us=median(c["times_us"]))
-    fits = dict(h2d_isolated=fit_iso, h2d_burst=fit_burst, h2d_used=args.copy_fit, ssd_random_qd1=ssd_fit,
-                gpu_expert=gpu_fit, cpu_expert=cpu_fit)
-    samples["fits"] = {k: (asdict(v) if isinstance(v, Fit) else v) for k, v in fits.items()}
-    samples["compute"] = compute
-
-    out = Path(args.out)
-    host = dict(
-        gpu=facts["gpu"],
-        pcie=facts["pcie"],
-        date=_dt.date.today().isoformat(),
-        method=(
-            f"moe-calibrate: h2d copies timed with {'CUDA events' if not cpu else 'the wall clock'} "
-            f"({args.copy_fit} fit over 64 KiB-{hi // MIB} MiB, {kind}); SSD random QD1 fit, {ssd_note}; "
-            f"experts {mode} ({'one CUDA graph per expert, ' if mode == 'graph' else ''}weights rotated "
-            f"past L2); non-expert layer {mode} (ctx {64 if cpu else args.ctx}); CPU {facts.get('cpu')} "
-            f"x{threads} threads; torch {facts['torch']}"
-        ),
+        shape = (d.hidden, d.expert_intermediate)
+        if expert_mode == "batched" and shape in batched:
+            b = batched[shape]
+            k = d.top_k
+            gpu_expert = median(b["gpu_us"][k] if k in b["gpu_us"] else b["gpu_us"][str(k)]) / k
+        else:
+            e = next(x for x in experts if (x["hidden"], x["intermediate"]) == shape)
+            gpu_expert = median(e[expert_key])
+        c = next(x for x in cpu_runs if (x["hidden"], x["intermediate"]) == shape)
+        compute[m] = dict(gpu_expert_us=gpu_expert, nonexpert_layer_us=ne, cpu_expert_us=median(c["times_us"]))
+    fits = dict(h2d_isolated=asdict(fit_iso), h2d_burst=asdict(fit_burst), h2d_used=copy_fit,
+                ssd_random_qd1=asdict(ssd_fit), gpu_expert=asdict(gpu_fit), gpu_expert_series=expert_key,
+                cpu_expert=asdict(cpu_fit), expert_mode=expert_mode, compute=compute)
+    facts = samples["host"]
+    cuda = facts.get("pcie") != "n/a"
+    method = (
+        f"moe-calibrate: host-to-device copies timed with {'CUDA events' if cuda else 'the wall clock'} "
+        f"({copy_fit} fit over 64 KiB-{samples['max_copy_bytes'] // MIB} MiB, {kind}); SSD random QD1 fit, "
+        f"{samples['ssd_note']}; experts {expert_mode} ({expert_key}: "
+        + ("one grouped kernel per step, device time" if expert_mode == "batched" else "per expert call")
+        + f", weights rotated past L2); non-expert layer as a CUDA graph ({nonexpert_key}); "
+        f"CPU {facts.get('cpu')} x{samples['cpu_threads']} threads; torch {facts.get('torch')}"
     )
+    host = dict(gpu=facts["gpu"], pcie=facts["pcie"], date=samples["date"], method=method)
     profile = build_profile(
-        args.name or out.stem,
-        host=host,
-        h2d=h2d_fit,
-        pageable_gbps=pageable_gbps,
-        ssd=ssd_fit,
-        gpu_expert=gpu_fit,
-        layer_fixed_us=statistics.mean(floors),
-        cpu_expert=cpu_fit,
-        compute=compute,
-        samples_file=out.with_suffix(".samples.json").name,
+        name, host=host, h2d=h2d_fit, pageable_gbps=pageable_gbps, ssd=ssd_fit, gpu_expert=gpu_fit,
+        layer_fixed_us=statistics.mean(floors), cpu_expert=cpu_fit, compute=compute, samples_file=samples_file,
     )
-    return profile, samples
+    return profile, fits
 
 
 def _tiny(d: ModelDims) -> ModelDims:
@@ -1033,7 +1298,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="qwen3_next_80b_a3b,qwen3_30b_a3b", help=f"models to time, of: {', '.join(MODELS)}")
     p.add_argument("--expert-shapes", default="2048x512,2048x768,4096x14336", help="extra HIDDENxINTERMEDIATE expert shapes for the gpu/cpu fits")
     p.add_argument("--cpu-expert-shapes", default="2048x512,4096x1536", help="extra expert shapes for the cpu fit")
-    p.add_argument("--expert-mode", choices=("graph", "eager"), default="graph", help="expert timing the profile uses")
+    p.add_argument("--expert-mode", choices=tuple(EXPERT_SERIES), default="batched",
+                   help="how the modelled engine runs experts (which timing the profile uses)")
+    p.add_argument("--from-samples", default=None, help="rebuild the profile from a samples JSON, measuring nothing")
     p.add_argument("--copy-fit", choices=("burst", "isolated"), default="burst", help="copy series the pcie fit uses")
     p.add_argument("--max-copy-mib", type=int, default=512, help="largest host-to-device copy (MiB)")
     p.add_argument("--reps", type=int, default=12, help="repetitions per measurement (medians are used)")
@@ -1050,9 +1317,18 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    out = Path(args.out)
     try:
-        profile, samples = run_calibration(args)
-        out, side = write_profile(profile, samples, Path(args.out))
+        if args.from_samples:
+            path = Path(args.from_samples)
+            if not path.exists():
+                raise InputError(f"--from-samples {path} does not exist")
+            samples = json.loads(path.read_text())
+        else:
+            samples = measure_all(args)
+        profile, samples["fits"] = profile_from_samples(
+            samples, args.name or out.stem, out.with_suffix(".samples.json").name, args.expert_mode, args.copy_fit)
+        out, side = write_profile(profile, samples, out)
     except InputError as e:
         print(f"moe-calibrate: error: {e}", file=sys.stderr)
         sys.exit(EXIT_INPUT_ERROR)

@@ -42,6 +42,7 @@ import numpy as np
 from simulator.calibrate import (
     MIB,
     MODELS,
+    BatchedExperts,
     ExpertKernel,
     ModelDims,
     NonExpertLayer,
@@ -447,7 +448,8 @@ class Executor:
     """GPU (or, for tests, CPU) state for executing plans: host experts, slots, kernels, streams."""
 
     def __init__(self, dims: ModelDims, device, dtype, num_slots: int, host_layers: int,
-                 num_experts: int, expert_mode: str, ctx: int, rotate: int = 4):
+                 num_experts: int, expert_mode: str, ctx: int, max_steps: int = 0, max_n: int = 0,
+                 rotate: int = 4):
         torch = _torch()
         self.torch, self.device, self.dtype = torch, device, dtype
         self.cuda = device.type == "cuda"
@@ -476,16 +478,19 @@ class Executor:
         self.slots = list(self.slots_mem.unbind(0))
         log(f"gpu: {num_slots} expert slots ({num_slots * self.expert_bytes / 2**30:.1f} GiB)")
         self.kern = ExpertKernel(dims.hidden, dims.expert_intermediate, device, dtype)
-        kinds = {}
-        for layer in range(dims.num_layers):
-            kinds.setdefault(dims.is_full_attention(layer), []).append(layer)
-        self.nonexpert = {}
-        for full in kinds:
-            self.nonexpert[full] = [
-                NonExpertLayer(dims, full, device, dtype, ctx, self.kern.x, self.kern.y) for _ in range(rotate)
-            ]
+        self.mode = expert_mode if (self.cuda or expert_mode == "batched") else "eager"
+        self.batched = None
+        expert_output = self.kern.y
+        if self.mode == "batched":
+            expert_output = torch.zeros(1, dims.hidden, device=device, dtype=torch.float32)
+            self.batched = BatchedExperts(self.slots_mem, dims.hidden, dims.expert_intermediate, max_n,
+                                          max_steps, self.kern.x, expert_output)
+        kinds = {dims.is_full_attention(layer) for layer in range(dims.num_layers)}
+        self.nonexpert = {
+            full: [NonExpertLayer(dims, full, device, dtype, ctx, self.kern.x, expert_output) for _ in range(rotate)]
+            for full in kinds
+        }
         self.rotate = rotate
-        self.mode = expert_mode if self.cuda else "eager"
         if self.cuda:
             self.compute = torch.cuda.Stream(priority=-1)
             self.background = torch.cuda.Stream(priority=0)
@@ -502,11 +507,17 @@ class Executor:
                 for layer in layers:
                     layer.run()
             self.kern.run(self.slots[0])
+            if self.batched is not None:
+                self.batched.load([[0]], [1])
+                self.batched.run()  # compiles the kernels
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
         self.nonexpert_graphs = {
             full: [capture_graph(layer.run, cap, pool) for layer in layers] for full, layers in self.nonexpert.items()
         }
+        if self.batched is not None:
+            self.batched_graph = capture_graph(self.batched.run, cap, pool)
+            self.batched_graph.replay()  # upload; load() resets the step counter before a run
         self.expert_graphs = []
         if self.mode == "graph":
             t0 = time.perf_counter()
@@ -544,7 +555,15 @@ class Executor:
         e_off, e = arrays["experts_off"].tolist(), arrays["experts"][:, 0].tolist()  # column 1: the expert
         num_groups = len(arrays["group_phase"])
         nonexpert = [self._nonexpert(layer) for layer in range(L)]
-        if self.cuda and self.mode == "graph":
+        run_step = None
+        if self.batched is not None:  # one grouped launch per step; slot ids go up front
+            counts = np.diff(arrays["experts_off"])
+            rows = np.zeros((len(counts), self.batched.max_n), np.int32)
+            for s_, (a, b_) in enumerate(zip(arrays["experts_off"][:-1], arrays["experts_off"][1:], strict=True)):
+                rows[s_, : b_ - a] = arrays["experts"][a:b_, 0]
+            self.batched.load(rows, counts)
+            run_step = self.batched_graph.replay if self.cuda else self.batched.run
+        elif self.cuda and self.mode == "graph":
             run_expert = [g.replay for g in self.expert_graphs]
         else:
             kern = self.kern
@@ -598,8 +617,11 @@ class Executor:
                                 x, slot, tid = b[k]
                                 slots[slot].copy_(src(x))
                                 events[tid] = None
-                    for k in range(e_off[s], e_off[s + 1]):
-                        run_expert[e[k]]()
+                    if run_step is not None:
+                        run_step()
+                    else:
+                        for k in range(e_off[s], e_off[s + 1]):
+                            run_expert[e[k]]()
                     s += 1
                 if cuda:
                     end.record()
@@ -644,7 +666,27 @@ def cmd_run(args) -> None:
     host_layers = min(args.host_layers, header["num_layers"])
     facts = host_facts(device)
     log(f"host: {facts.get('gpu')}; {len(selected)} runs; model {model}; {host_layers} host layers")
-    ex = Executor(dims, device, dtype, num_slots, host_layers, header["num_experts"], args.expert_mode, args.ctx)
+    max_steps = max(len(runs[r["name"]]["group"]) for r in selected)
+    max_n = max(int(np.diff(runs[r["name"]]["experts_off"]).max()) for r in selected)
+    mode = args.expert_mode
+    if mode == "auto":
+        from simulator.calibrate import batched_available
+
+        mode = "batched" if device.type == "cuda" and batched_available() else ("graph" if device.type == "cuda" else "eager")
+    ex = None
+    try:
+        ex = Executor(dims, device, dtype, num_slots, host_layers, header["num_experts"], mode, args.ctx,
+                      max_steps=max_steps, max_n=max_n)
+    except Exception as e:
+        if mode != "batched" or device.type != "cuda":
+            raise
+        log(f"warning: batched experts failed ({type(e).__name__}: {e}); falling back to --expert-mode graph")
+    if ex is None:  # outside the except block, so the failed attempt's memory is released first
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        ex = Executor(dims, device, dtype, num_slots, host_layers, header["num_experts"], "graph", args.ctx)
     out = dict(header={k: v for k, v in header.items() if k != "runs"}, host=facts, device=str(device),
                host_layers=host_layers, expert_mode=ex.mode, dims=dims.__dict__, repeats=args.repeats,
                dtype=args.dtype, runs=[])
@@ -856,7 +898,9 @@ def parser() -> argparse.ArgumentParser:
     rn.add_argument("--tiny", action="store_true", help="tiny expert and layer shapes (tests)")
     rn.add_argument("--dtype", default="bfloat16")
     rn.add_argument("--host-layers", type=int, default=8, help="layers of experts held in pinned host memory")
-    rn.add_argument("--expert-mode", choices=("graph", "eager"), default="graph")
+    rn.add_argument("--expert-mode", choices=("auto", "batched", "graph", "eager"), default="auto",
+                    help="batched: one grouped Triton kernel per step (auto on a GPU with Triton); graph: a CUDA "
+                         "graph per expert slot; eager: plain torch calls")
     rn.add_argument("--ctx", type=int, default=1024, help="KV-cache length of full-attention layers")
     rn.add_argument("--repeats", type=int, default=1, help="executions per run (times averaged per token)")
     rn.add_argument("--only", default="", help="comma-separated run names to execute (default: all)")
