@@ -719,16 +719,22 @@ def cmd_run(args) -> None:
             waits_per_token=per_group[2][decode].tolist(),
         ))
         rows.append(out["runs"][-1])
-    outdir = Path(args.out)
+        _write_results(Path(args.out), out, rows)  # after every run: a cut-off run keeps the rest
+    log(f"wrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.csv'}")
+
+
+def _write_results(outdir: Path, out: dict, rows: list[dict]) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "replay.json").write_text(json.dumps(out) + "\n")
-    with open(outdir / "replay.csv", "w", newline="") as fh:
-        wr = csv.writer(fh)
-        wr.writerow(["policy", "fraction", "measured_ms_per_token", "simulated_ms_per_token"])
-        for row in rows:
-            wr.writerow([row["policy"], row["fraction"], f"{row['measured_ms_per_token']:.4f}",
-                         f"{row['simulated_ms_per_token']:.4f}"])
-    log(f"wrote {outdir / 'replay.json'} and {outdir / 'replay.csv'}")
+    buf = io.StringIO()
+    wr = csv.writer(buf)
+    wr.writerow(["policy", "fraction", "measured_ms_per_token", "simulated_ms_per_token"])
+    for row in rows:
+        wr.writerow([row["policy"], row["fraction"], f"{row['measured_ms_per_token']:.4f}",
+                     f"{row['simulated_ms_per_token']:.4f}"])
+    for name, text in (("replay.json", json.dumps(out) + "\n"), ("replay.csv", buf.getvalue())):
+        tmp = outdir / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(outdir / name)
 
 
 # --------------------------------------------------------------------------- comparison
