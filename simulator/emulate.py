@@ -57,7 +57,7 @@ from traces.errors import EXIT_INPUT_ERROR, InputError
 from traces.format import PHASE_DECODE, TraceMeta
 
 FIXTURE_MODEL = "traces/fixtures/model"
-FIXTURE_TEXT = "traces/fixtures/heldout.jsonl"
+FIXTURE_TEXT = "traces/samples/fixture.parquet"  # captured on the held-out split
 DEFAULT_FRACTIONS = (0.10, 0.25, 0.50)
 # Threshold sweeps. protect_ranks=1 always fetches the first choice (the mass hypothesis's set);
 # protect_ranks=0 lets a first choice with g < tau be substituted (top-k=4: g_0 >= 0.25 always,
@@ -244,13 +244,6 @@ def routed(sites, route: Route):
     finally:
         for site in sites:
             del site.moe_block.forward
-
-
-def _cache_kwarg(model) -> str:
-    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def normalised_gates(weights: np.ndarray) -> np.ndarray:
@@ -594,7 +587,7 @@ def run_closed_loop(model, sites, tokens: Tokens, pool: DecisionPool, lanes: Lan
     and the recorded routing and decisions. ``observe(u, logits)`` sees each step's LM logits
     [lanes, V]; ``progress(tokens done)`` is called after each step.
     """
-    from transformers import DynamicCache
+    from traces.capture.capture import _cache_argument, _returned_cache
 
     device = next(model.parameters()).device
     first = sites[0]
@@ -603,15 +596,16 @@ def run_closed_loop(model, sites, tokens: Tokens, pool: DecisionPool, lanes: Lan
     ids = torch.as_tensor(tokens.token_id, device=device)
     strategy = torch.as_tensor(lanes.strategy, device=device)
     start = torch.as_tensor(lanes.start, device=device)
-    kwarg = _cache_kwarg(model)
+    cache_argument = _cache_argument(model)
     steps = len(tokens) // tokens.streams
+    out = None
     with routed(sites, loop):
         for u in range(steps):
-            if tokens.pos[u] == 0:  # every lane starts a window at the same step
-                cache = DynamicCache(config=model.config)
             loop.next_token()
             t = start + u
-            out = model(input_ids=ids[t][:, None], use_cache=True, **{kwarg: cache})
+            # every lane starts a window (a fresh KV cache) at the same step
+            past = {} if tokens.pos[u] == 0 else {cache_argument: _returned_cache(out)}
+            out = model(input_ids=ids[t][:, None], use_cache=True, **past)
             if observe is not None:
                 observe(u, out.logits[:, -1])
             if u + 1 < steps and tokens.pos[u + 1] != 0:
@@ -862,15 +856,46 @@ def write_results(out: Path, em: Emulation, info: dict) -> list[dict]:
 
 def load_tokens(path: str, tokenizer, window_tokens: int, max_tokens: int | None,
                 streams: int) -> tuple[Tokens, list[str]]:
-    """Held-out documents (file, folder or JSONL with text and domain) as a token stream."""
-    from traces.capture.text import read_documents
+    """Held-out text as a token stream: documents from a file, folder or JSONL of {text, domain},
+    or the token ids of a captured trace (``.parquet``, e.g. the bundled fixture trace)."""
+    sep = tokenizer.eos_token_id
+    source = resolve_path(path)
+    if source.suffix == ".parquet":
+        docs, doc_domains, names = trace_documents(source, strip=sep)
+    else:
+        from traces.capture.text import read_documents
 
-    docs = read_documents([resolve_path(path)])
-    names = list(dict.fromkeys(d.domain for d in docs))
-    ids = [np.asarray(tokenizer(d.text, add_special_tokens=False)["input_ids"], np.int64) for d in docs]
-    tokens = Tokens.from_documents(ids, [names.index(d.domain) for d in docs], window_tokens,
-                                   max_tokens, streams, separator=tokenizer.eos_token_id)
-    return tokens, names
+        texts = read_documents([source])
+        names = list(dict.fromkeys(d.domain for d in texts))
+        docs = [np.asarray(tokenizer(d.text, add_special_tokens=False)["input_ids"], np.int64) for d in texts]
+        doc_domains = [names.index(d.domain) for d in texts]
+    return Tokens.from_documents(docs, doc_domains, window_tokens, max_tokens, streams, separator=sep), names
+
+
+def trace_documents(path: Path, strip: int | None = None) -> tuple[list[np.ndarray], list[int], list[str]]:
+    """The documents a trace was captured on: its sequences' token ids, a leading ``strip`` token
+    (the capture's per-window BOS) removed, consecutive sequences of one domain joined (a
+    document longer than a capture window spans several)."""
+    from traces.format import read_trace
+
+    meta, chunk = read_trace(path)
+    if chunk.num_tokens == 0 or (chunk.token_id < 0).any():
+        raise InputError(f"{path}: the trace has no token_id column to take the text from")
+    bounds = np.flatnonzero(np.r_[True, chunk.seq[1:] != chunk.seq[:-1], True])
+    docs: list[np.ndarray] = []
+    domains: list[int] = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        ids = chunk.token_id[a:b].astype(np.int64)
+        if strip is not None and ids[0] == strip:
+            ids = ids[1:]
+        d = int(chunk.domain[a])
+        if docs and domains[-1] == d:
+            docs[-1] = np.r_[docs[-1], ids]
+        else:
+            docs.append(ids)
+            domains.append(d)
+    names = list(meta.domains) or ["text"]
+    return docs, [max(d, 0) for d in domains], names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -878,7 +903,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=FIXTURE_MODEL, help="Hugging Face checkpoint folder")
     p.add_argument("--config", help="instead of --model: a config.json for a randomly initialised model")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
-    p.add_argument("--text", default=FIXTURE_TEXT, help="held-out text: file, folder, or JSONL of {text, domain}")
+    p.add_argument("--text", default=FIXTURE_TEXT,
+                   help="held-out text: file, folder, JSONL of {text, domain}, or a trace's token ids (.parquet)")
     p.add_argument("--max-tokens", type=int, default=12_288, help="tokens emulated (0: all the text)")
     p.add_argument("--window-tokens", type=int, default=0,
                    help="tokens per window: one KV cache, one trace sequence (0: the model's context, at most 512)")

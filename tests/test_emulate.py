@@ -113,10 +113,10 @@ def test_every_expert_resident_reproduces_the_plain_model_exactly(arch):
     lanes = len(strategies) * tokens.streams
     start = torch.as_tensor(tokens.spans()[:, 0]).repeat(len(strategies))
     ids = torch.as_tensor(tokens.token_id)
+    cache = None
     with torch.inference_mode():
         for u in range(len(tokens) // tokens.streams):
-            if tokens.pos[u] == 0:
-                cache = DynamicCache(config=model.config)
+            cache = DynamicCache(config=model.config) if tokens.pos[u] == 0 else cache
             out = model(input_ids=ids[start + u][:, None], use_cache=True, cache=cache)
             assert out.logits.shape[0] == lanes
             assert torch.equal(out.logits[:, -1], seen[u]), f"token {u}"
@@ -307,3 +307,25 @@ def test_pearson_and_bootstrap_helpers():
     assert math.isnan(float(quality.pearson(x, np.ones(10))))
     w = quality.resample_weights(7, 100, 0)
     assert w.shape == (100, 7) and (w.sum(1) == 7).all()
+
+
+def test_text_from_a_captured_trace(tmp_path):
+    from simulator.emulate import trace_documents
+    from traces.format import TraceMeta, TraceWriter
+
+    meta = TraceMeta(model="m", num_layers=1, num_experts=4, top_k=2, expert_bytes=[8], domains=["code", "prose"])
+    # three capture windows, each starting with BOS (0): two of one code document, one of prose
+    ids = [[0, 5, 6, 7], [0, 8, 9], [0, 3, 4]]
+    seq = np.repeat(np.arange(3), [len(w) for w in ids]).astype(np.int32)
+    T = seq.shape[0]
+    with TraceWriter(tmp_path / "t.parquet", meta) as w:
+        w.write(seq=seq, pos=np.concatenate([np.arange(len(x)) for x in ids]).astype(np.int32),
+                phase=np.ones(T, np.int8), experts=np.tile([[[0, 1]]], (T, 1, 1)),
+                weights=np.full((T, 1, 2), 0.5, np.float32), token_id=np.concatenate(ids).astype(np.int32),
+                domain=np.repeat([0, 0, 1], [4, 3, 3]).astype(np.int16))
+    docs, domains, names = trace_documents(tmp_path / "t.parquet", strip=0)
+    assert [d.tolist() for d in docs] == [[5, 6, 7, 8, 9], [3, 4]]
+    assert domains == [0, 1] and names == ["code", "prose"]
+    tokens = Tokens.from_documents(docs, domains, window_tokens=4, separator=0)
+    assert tokens.token_id.tolist() == [5, 6, 7, 8, 9, 0, 3, 4]
+    assert tokens.domain.tolist() == [0] * 6 + [1] * 2
