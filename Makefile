@@ -38,6 +38,11 @@ test: env
 lint: env
 	$(BIN)/ruff check simulator traces analysis tests
 
+# Throughput, memory and JIT start-up, side by side with the reference engine and libCacheSim
+# (about ten minutes on two cores; writes a 1,000,000-token trace to a temporary directory).
+bench: env
+	$(PY) -m simulator.bench --out docs/BENCHMARKS.md
+
 # Import the public Qwen3-30B-A3B route trace that sits beside the project (../shared/traces).
 import-route: env
 	$(BIN)/moe-trace import route-csv ../shared/traces/qwen3-30b-a3b.route.csv traces/samples/qwen3-30b-a3b.route.parquet --force

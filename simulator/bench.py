@@ -1,0 +1,714 @@
+"""moe-bench: how fast the simulator is, measured side by side (``make bench``).
+
+Prints one Markdown report and writes it with ``--out`` (``make bench``: docs/BENCHMARKS.md):
+
+- throughput of the Numba engine per policy on synthetic traces of three model shapes, with the
+  plain-Python reference engine on a prefix of the same trace (ratio);
+- libCacheSim's ``process_trace`` on the identical request stream (miss counts, ratio);
+- JIT start-up cold (an empty ``NUMBA_CACHE_DIR``) and from the cache;
+- one-pass miss-ratio curves against per-size runs; many configurations on two cores;
+- a 1,000,000-token Qwen3-Next-shaped trace streamed from Parquet (peak RSS).
+
+Each measurement runs in a fresh subprocess (a *worker*), so peak memory is its own and JIT
+start-up can be timed cold. Throughput is the CPU time of the simulating thread (per core), the
+median of ``--repeats`` runs; wall-clock medians are given beside it. Traces are synthetic
+(traces/synth.py), decode only, with full router logits unless noted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# ---- what is measured ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's routing shape and the trace sizes measured on it (tokens)."""
+
+    name: str
+    model: str  # conf/model preset: expert sizes for the hardware model
+    layers: int
+    experts: int
+    top_k: int
+    tokens: int  # the trace (throughput, libCacheSim, MRC)
+    ref_tokens: int  # prefix run by both engines
+
+    @property
+    def lookups_per_token(self) -> int:
+        return self.layers * self.top_k
+
+
+SHAPES = (
+    Shape("Qwen3-Next-80B-A3B", "qwen3_next_80b_a3b", 48, 512, 10, tokens=4096, ref_tokens=64),
+    Shape("Qwen3-30B-A3B", "qwen3_30b_a3b", 48, 128, 8, tokens=8192, ref_tokens=128),
+    Shape("Mixtral-8x7B", "mixtral_8x7b", 32, 8, 2, tokens=65536, ref_tokens=2048),
+)
+POLICIES = {  # row label -> moe-sim overrides (cache: per_layer, fraction 0.25)
+    "fetch_all+lru": ["policy=fetch_all", "cache.eviction=lru"],
+    "rule015+lfu": ["policy=rule015", "cache.eviction=lfu"],
+    "quality_first": ["policy=quality_first"],
+    "speed_first": ["policy=speed_first"],
+    "belady": ["policy=fetch_all", "cache.eviction=belady"],
+}
+LCS_FRACTION = 0.25  # libCacheSim comparison: one global cache of this share of all experts
+MANY_FRACTIONS = (0.125, 0.25)  # simulate_many: every policy at each of these cache fractions
+SCALE_SHAPE = SHAPES[0]
+SCALE_POLICY = "fetch_all+lru"
+TARGETS = {
+    "fetch_all_lookups_per_s": 50e6,
+    "quality_first_lookups_per_s": 5e6,
+    "numba_over_reference": 100.0,
+    "numba_over_libcachesim": 10.0,
+    "scale_peak_rss_bytes": 1.5e9,
+    "jit_from_cache_s": 2.0,
+}
+
+
+# ---- helpers shared by workers and tests --------------------------------------------------
+
+
+def request_stream(source) -> np.ndarray:
+    """int64[n]: the trace's expert lookups as cache keys ``layer * E + expert``, in trace order.
+
+    Order: token, then layer, then rank. Decode-only traces (a prefill group is one lookup per
+    unique expert, which a per-request cache simulator cannot express).
+    """
+    meta = source.meta
+    base = (np.arange(meta.num_layers, dtype=np.int64) * meta.num_experts)[None, :, None]
+    parts = []
+    for c in source.iter_chunks():
+        if c.num_tokens and (c.phase != 1).any():
+            raise ValueError("request_stream needs a decode-only trace (no prefill tokens)")
+        parts.append((c.experts.astype(np.int64) + base).ravel())
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def stream_source(keys: np.ndarray, expert_bytes: int):
+    """A one-layer, top-1 trace whose steps are the requests ``keys`` (one lookup per step).
+
+    The engine run on it sees exactly the request sequence a per-request cache simulator sees.
+    """
+    from traces.format import ArraySource, TraceMeta, make_chunk
+
+    n = int(keys.shape[0])
+    num_experts = int(keys.max()) + 1 if n else 1
+    meta = TraceMeta(model="request-stream", num_layers=1, num_experts=num_experts, top_k=1,
+                     expert_bytes=[int(expert_bytes)], source="bench")
+    chunk = make_chunk(meta, seq=np.zeros(n, np.int32), pos=np.arange(n, dtype=np.int32),
+                       phase=np.ones(n, np.int8), experts=keys.reshape(n, 1, 1),
+                       weights=np.ones((n, 1, 1), np.float32))
+    return ArraySource(meta, chunk)
+
+
+_ORACLE_GENERAL = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
+
+
+def write_oracle_general(keys: np.ndarray, path: str | os.PathLike) -> None:
+    """Write requests as libCacheSim's binary ``oracleGeneral`` trace (every object 1 byte)."""
+    rec = np.zeros(keys.shape[0], _ORACLE_GENERAL)
+    rec["time"] = np.arange(keys.shape[0]) % 2**32
+    rec["id"] = keys
+    rec["size"] = 1
+    rec["next"] = -1
+    rec.tofile(path)
+
+
+def libcachesim_misses(path: str | os.PathLike, eviction: str, capacity: int, n: int,
+                       objects: int | None = None):
+    """(misses, CPU seconds) of libCacheSim's ``process_trace`` (C++ reader) on an oracleGeneral
+    file of ``n`` requests, with an ``lru`` or ``fifo`` cache of ``capacity`` objects.
+
+    ``objects`` (distinct keys, e.g. L*E) sizes libCacheSim's hash table to fit, instead of its
+    default 2**24 buckets whose set-up would dominate a short stream.
+    """
+    import libcachesim as lcs
+
+    reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
+    hashpower = max(10, int(objects - 1).bit_length() + 1) if objects else 24
+    cache = {"lru": lcs.LRU, "fifo": lcs.FIFO}[eviction](capacity, hashpower=hashpower)
+    t = time.thread_time()
+    miss_ratio, _ = cache.process_trace(reader)
+    return round(miss_ratio * n), time.thread_time() - t
+
+
+def sim_params(meta, overrides: list[str]):
+    """SimParams of the moe-sim config these overrides compose, for a trace with ``meta``."""
+    from omegaconf import OmegaConf
+
+    from simulator.run import build_params, compose
+
+    cfg = OmegaConf.to_container(compose(overrides), resolve=True)
+    return build_params(cfg, meta)[0]
+
+
+def _timed(fn):
+    """(result, CPU seconds of this thread, wall seconds)."""
+    c, w = time.thread_time(), time.perf_counter()
+    out = fn()
+    return out, time.thread_time() - c, time.perf_counter() - w
+
+
+def _peak_rss_reset() -> bool:
+    """Reset this process's peak RSS (Linux ``clear_refs``); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident memory of this process (since the last reset where supported)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---- workers (each runs in its own process) -----------------------------------------------
+
+
+def _work_shape(task: dict) -> dict:
+    """Throughput per policy, engines side by side, MRC and libCacheSim on one shape's trace."""
+    from simulator.engine import simulate
+    from simulator.mrc import mrc
+    from simulator.run import LimitedSource
+    from simulator.trace_cache import cached_source
+    from traces.format import ArraySource, concat_chunks
+
+    repeats = task["repeats"]
+    t = time.perf_counter()
+    source = cached_source(task["trace"], task["cache_dir"])
+    open_s = time.perf_counter() - t
+    meta = source.meta
+    model = [f"model={task['model']}"]
+    out = {"open_from_cache_s": open_s, "baseline_rss": _peak_rss_bytes(), "policies": {}}
+
+    prefix = LimitedSource(source, task["ref_tokens"])
+    small = ArraySource(meta, concat_chunks(list(prefix.iter_chunks())))
+    for name, overrides in POLICIES.items():
+        params = sim_params(meta, overrides + model)
+        simulate(prefix, params)  # loads the kernels; not timed
+        _peak_rss_reset()
+        cpu, wall = [], []
+        for _ in range(repeats):
+            r, c, w = _timed(lambda p=params: simulate(source, p))
+            cpu.append(c)
+            wall.append(w)
+        row = {
+            "cpu_s": cpu, "wall_s": wall, "peak_rss": _peak_rss_bytes(),
+            "lookups": int(r.layer_calls.sum()), "steps": int(r.phase.shape[0]) * meta.num_layers,
+            "hit_rate": float(r.layer_hits.sum() / r.layer_calls.sum()),
+            "substitution_rate": float(r.layer_substitutions.sum() / r.layer_calls.sum()),
+        }
+        numba_cpu, ref_cpu = [], []
+        for _ in range(repeats):
+            a, c, _ = _timed(lambda p=params: simulate(small, p))
+            numba_cpu.append(c)
+            b, c, _ = _timed(lambda p=params: simulate(small, p, engine="reference"))
+            ref_cpu.append(c)
+        row.update(ref_tokens=small.num_tokens, ref_numba_cpu_s=numba_cpu, ref_cpu_s=ref_cpu,
+                   ref_equal=_same_result(a, b))
+        out["policies"][name] = row
+
+    # one-pass miss-ratio curve against the per-size runs it replaces
+    E = meta.num_experts
+    fa = POLICIES["fetch_all+lru"] + model
+    mrc_cpu = []
+    for _ in range(repeats):
+        curve, c, _ = _timed(lambda: mrc(source, "per_layer"))
+        mrc_cpu.append(c)
+    sizes = sorted({1, max(1, E // 8), max(1, E // 4), max(1, E // 2), E})
+    checks = []
+    for size in sizes:
+        params = sim_params(meta, fa + [f"cache.fraction={min(1.0, (size + 0.5) / E)}"])
+        r = simulate(source, params)
+        checks.append(int(r.layer_hits.sum()) == int(curve.decode_hits[size]))
+    glob = mrc(source, "global")
+    budget = (meta.num_layers * E // 4) * int(meta.expert_bytes[0])
+    params = sim_params(meta, ["policy=fetch_all", "cache.eviction=lru", "cache=global",
+                               f"cache.budget_bytes={budget}"])
+    r = simulate(source, params)
+    checks.append(int(r.layer_hits.sum()) == int(glob.decode_hits[glob.size_of(budget_bytes=budget)]))
+    out["mrc"] = {"cpu_s": mrc_cpu, "sizes": E, "checked_sizes": sizes + ["global"],
+                  "equal": all(checks), "run_cpu_s": out["policies"]["fetch_all+lru"]["cpu_s"]}
+
+    out["libcachesim"] = _libcachesim(source, task, repeats)
+    return out
+
+
+def _same_result(a, b) -> bool:
+    names = ("layer_calls", "layer_hits", "layer_fetches", "layer_substitutions", "layer_mass",
+             "time_us", "mass", "mass_hist")
+    return all(np.array_equal(getattr(a, n), getattr(b, n)) for n in names) and (
+        a.evictions == b.evictions and a.background_admissions == b.background_admissions)
+
+
+def _libcachesim(source, task: dict, repeats: int) -> dict:
+    """Miss counts and CPU time of libCacheSim and of our engine on the same request stream."""
+    from simulator.engine import simulate
+
+    meta = source.meta
+    keys = request_stream(source)
+    n = int(keys.shape[0])
+    path = Path(task["work_dir"]) / f"{Path(task['trace']).stem}.oracleGeneral.bin"
+    write_oracle_general(keys, path)
+    capacity = max(meta.top_k, int(LCS_FRACTION * meta.num_layers * meta.num_experts))
+    eb = int(meta.expert_bytes[0])
+    flat = stream_source(keys, eb)
+    out = {"requests": n, "capacity": capacity, "policies": {}}
+    for ev in ("lru", "fifo"):
+        overrides = ["policy=fetch_all", f"cache.eviction={ev}", "cache=global",
+                     f"cache.budget_bytes={capacity * eb}"]
+        lcs_cpu, ours_cpu = [], []
+        for _ in range(repeats):
+            lcs_miss, c = libcachesim_misses(path, ev, capacity, n,
+                                             meta.num_layers * meta.num_experts)
+            lcs_cpu.append(c)
+        params = sim_params(meta, overrides)
+        for _ in range(repeats):
+            r, c, _ = _timed(lambda p=params: simulate(source, p))
+            ours_cpu.append(c)
+        per_request = simulate(flat, sim_params(flat.meta, overrides))
+        out["policies"][ev] = {
+            "lcs_misses": lcs_miss, "lcs_cpu_s": lcs_cpu,
+            "stream_misses": int(per_request.layer_fetches.sum()),
+            "step_misses": int(r.layer_fetches.sum()), "ours_cpu_s": ours_cpu,
+        }
+    path.unlink()
+    return out
+
+
+def _work_jit(task: dict) -> dict:
+    """Seconds to import the engines and make the first call of every kernel (tiny trace)."""
+    t0 = time.perf_counter()
+    import simulator.engine as engine
+    import simulator.mrc as mrc_module
+    from traces.format import ArraySource
+    from traces.synth import synth_trace
+
+    import_s = time.perf_counter() - t0
+    meta, chunk = synth_trace(8, 4, 16, 2, seed=0, logits="full", prompt_share=0.5,
+                              prompt_tokens=3, seq_tokens=4)
+    source = ArraySource(meta, chunk)
+    params = {name: sim_params(meta, ov) for name, ov in POLICIES.items()}
+    t = time.perf_counter()
+    for p in params.values():
+        engine.simulate(source, p)
+    engine_s = time.perf_counter() - t
+    t = time.perf_counter()
+    mrc_module.mrc(source, "per_layer")
+    mrc_s = time.perf_counter() - t
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    return {"import_s": import_s, "engine_first_calls_s": engine_s, "mrc_first_call_s": mrc_s,
+            "process_cpu_s": cpu.ru_utime + cpu.ru_stime}
+
+
+def _work_synth(task: dict) -> dict:
+    from traces.synth import write_synth_trace
+
+    s = task["shape"]
+    t = time.perf_counter()
+    write_synth_trace(task["path"], task["tokens"], s["layers"], s["experts"], s["top_k"],
+                      seed=task["seed"], logits=task["logits"], prompt_share=0.0)
+    return {"wall_s": time.perf_counter() - t, "bytes": os.path.getsize(task["path"])}
+
+
+def _work_scale(task: dict) -> dict:
+    """Stream a large Parquet trace through the engine (no cache): time and peak RSS."""
+    from simulator.engine import simulate
+    from traces.format import open_trace
+
+    reader = open_trace(task["trace"])
+    params = sim_params(reader.meta, POLICIES[SCALE_POLICY] + [f"model={task['model']}"])
+    r, c, w = _timed(lambda: simulate(reader, params))
+    return {"tokens": reader.num_tokens, "lookups": int(r.layer_calls.sum()), "cpu_s": c,
+            "wall_s": w, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "hit_rate": float(r.layer_hits.sum() / r.layer_calls.sum())}
+
+
+def _work_many(task: dict) -> dict:
+    """simulate_many on one and on all cores; results must equal one another."""
+    from simulator.engine import simulate
+    from simulator.engine.many import default_workers, simulate_many
+    from simulator.trace_cache import cached_source
+
+    source = cached_source(task["trace"], task["cache_dir"])
+    model = [f"model={task['model']}"]
+    params = [sim_params(source.meta, ov + model + [f"cache.fraction={f}"])
+              for ov in POLICIES.values() for f in MANY_FRACTIONS]
+    for p in params[: len(POLICIES)]:
+        simulate(source, p, chunk_tokens=64)  # JIT load, not timed (chunk size is irrelevant)
+    workers = default_workers()
+    t = time.perf_counter()
+    one = simulate_many(source, params, workers=1)
+    one_s = time.perf_counter() - t
+    t = time.perf_counter()
+    many = simulate_many(source, params, workers=workers)
+    many_s = time.perf_counter() - t
+    return {"configs": len(params), "workers": workers, "one_s": one_s, "many_s": many_s,
+            "equal": all(_same_result(a, b) for a, b in zip(one, many, strict=True))}
+
+
+WORKERS = {"shape": _work_shape, "jit": _work_jit, "synth": _work_synth, "scale": _work_scale,
+           "many": _work_many}
+
+
+def _spawn(task: dict, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "simulator.bench", "--worker", json.dumps(task)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _collect(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench worker failed ({proc.returncode}):\n{err[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _run(task: dict, env: dict | None = None) -> dict:
+    return _collect(_spawn(task, env))
+
+
+# ---- the run and its report ---------------------------------------------------------------
+
+
+def _say(msg: str) -> None:
+    print(f"[moe-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(repeats: int, scale_tokens: int, work_dir: Path, token_scale: float) -> dict:
+    """Run every measurement; returns the raw figures (JSON-able)."""
+    from simulator.trace_cache import cached_source
+    from traces.format import open_trace
+
+    started = time.perf_counter()
+    cache_dir = work_dir / "cache"
+    shapes = [Shape(s.name, s.model, s.layers, s.experts, s.top_k,
+                    max(64, int(s.tokens * token_scale)), min(s.ref_tokens, max(64, int(s.tokens * token_scale))))
+              for s in SHAPES]
+    figures: dict = {"started": time.strftime("%Y-%m-%d %H:%M"), "loadavg_start": os.getloadavg(),
+                     "repeats": repeats, "shapes": {}}
+
+    scale_path = work_dir / "scale.parquet"
+    scale_proc = None
+    if scale_tokens:  # the large trace is written in the background (one core) meanwhile
+        _say(f"writing a {scale_tokens:,}-token {SCALE_SHAPE.name} trace in the background")
+        scale_proc = _spawn({"kind": "synth", "path": str(scale_path), "tokens": scale_tokens,
+                             "shape": SCALE_SHAPE.__dict__, "seed": 1, "logits": "none"})
+
+    traces = {}
+    for s in shapes:
+        path = work_dir / f"{s.model}.parquet"
+        _say(f"synthesising {s.tokens} tokens of {s.name}")
+        info = _run({"kind": "synth", "path": str(path), "tokens": s.tokens, "shape": s.__dict__,
+                     "seed": 0, "logits": "full"})
+        t = time.perf_counter()
+        with open_trace(path) as reader:
+            for _ in reader.iter_chunks():
+                pass
+        decode_s = time.perf_counter() - t
+        t = time.perf_counter()
+        cached_source(path, cache_dir)
+        build_s = time.perf_counter() - t
+        traces[s.name] = path
+        figures["shapes"][s.name] = {"shape": s.__dict__, "trace_bytes": info["bytes"],
+                                     "parquet_decode_s": decode_s, "cache_build_s": build_s}
+
+    _say("JIT start-up: cold, then from cache")
+    env = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="numba-cache-", dir=work_dir)}
+    figures["jit_cold"] = _run({"kind": "jit"}, env)
+    figures["jit_cached"] = [_run({"kind": "jit"}, env) for _ in range(repeats)]
+
+    for s in shapes:
+        _say(f"{s.name}: policies, reference engine, MRC, libCacheSim")
+        figures["shapes"][s.name].update(_run({
+            "kind": "shape", "trace": str(traces[s.name]), "cache_dir": str(cache_dir),
+            "model": s.model, "ref_tokens": s.ref_tokens, "repeats": repeats,
+            "work_dir": str(work_dir)}))
+
+    if scale_proc is not None:
+        _say("waiting for the large trace")
+        figures["scale_synth"] = _collect(scale_proc)
+        _say("streaming the large trace through the engine")
+        figures["scale"] = _run({"kind": "scale", "trace": str(scale_path),
+                                 "model": SCALE_SHAPE.model})
+        scale_path.unlink()
+
+    _say("simulate_many")
+    many_shape = shapes[1]
+    figures["many"] = _run({"kind": "many", "trace": str(traces[many_shape.name]),
+                            "cache_dir": str(cache_dir), "model": many_shape.model})
+    figures["many"]["shape"] = many_shape.name
+    figures["loadavg_end"] = os.getloadavg()
+    figures["total_s"] = time.perf_counter() - started
+    return figures
+
+
+def _med(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def _rate(count: int, seconds: float) -> float:
+    return count / seconds if seconds > 0 else float("inf")
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _targets(fig: dict) -> list[tuple[str, str, str, bool | None]]:
+    """(target, measured, comparison, met) for the issue's targets."""
+    first = fig["shapes"][SHAPES[0].name]["policies"]
+    rows = []
+
+    def lookups(p):
+        return _rate(p["lookups"], _med(p["cpu_s"]))
+
+    fa = lookups(first["fetch_all+lru"])
+    rows.append(("fetch_all+LRU >= 50 M lookups/s, one core (Qwen3-Next)", f"{fa / 1e6:.1f} M/s",
+                 f"{fa / TARGETS['fetch_all_lookups_per_s']:.2f}x target",
+                 fa >= TARGETS["fetch_all_lookups_per_s"]))
+    qf = lookups(first["quality_first"])
+    rows.append(("quality_first (logit substitution) >= 5 M lookups/s (Qwen3-Next)",
+                 f"{qf / 1e6:.2f} M/s", f"{qf / TARGETS['quality_first_lookups_per_s']:.2f}x target",
+                 qf >= TARGETS["quality_first_lookups_per_s"]))
+    ratios = [_med(p["ref_cpu_s"]) / _med(p["ref_numba_cpu_s"])
+              for s in fig["shapes"].values() for p in s["policies"].values()]
+    rows.append(("Numba >= 100x reference (every shape and policy)",
+                 f"min {min(ratios):.0f}x, median {statistics.median(ratios):.0f}x",
+                 f"{min(ratios) / TARGETS['numba_over_reference']:.2f}x target (min)",
+                 min(ratios) >= TARGETS["numba_over_reference"]))
+    lcs = [_med(p["lcs_cpu_s"]) / _med(p["ours_cpu_s"])
+           for s in fig["shapes"].values() for p in s["libcachesim"]["policies"].values()]
+    rows.append((">= 10x libCacheSim process_trace (LRU and FIFO, every shape)",
+                 f"min {min(lcs):.1f}x, median {statistics.median(lcs):.1f}x",
+                 f"{min(lcs) / TARGETS['numba_over_libcachesim']:.2f}x target (min)",
+                 min(lcs) >= TARGETS["numba_over_libcachesim"]))
+    if "scale" in fig:
+        rss = fig["scale"]["peak_rss"]
+        rows.append((f"peak RSS < 1.5 GB, {fig['scale']['tokens']:,} tokens", f"{rss / 2**20:.0f} MiB",
+                     f"{rss / TARGETS['scale_peak_rss_bytes']:.2f}x limit",
+                     rss < TARGETS["scale_peak_rss_bytes"]))
+    jit = _med([j["import_s"] + j["engine_first_calls_s"] for j in fig["jit_cached"]])
+    rows.append(("JIT start-up from cache < 2 s (import + first call, 5 policies)", f"{jit:.2f} s",
+                 f"{jit / TARGETS['jit_from_cache_s']:.2f}x limit", jit < TARGETS["jit_from_cache_s"]))
+    return rows
+
+
+def render(fig: dict) -> str:
+    """The Markdown report of a run's figures."""
+    import numba
+
+    mib = 2**20
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`python -m simulator.bench --out docs/BENCHMARKS.md`); do not "
+        "edit by hand.",
+        "",
+        f"Machine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, numba "
+        f"{numba.__version__}, numpy {np.__version__}. Run {fig['started']}, "
+        f"{fig['total_s'] / 60:.1f} min; load average {fig['loadavg_start'][0]:.1f} at the start, "
+        f"{fig['loadavg_end'][0]:.1f} at the end (other work shares this machine, so wall times "
+        "are noisy; throughput uses the CPU time of the simulating thread).",
+        "",
+        f"Figures are medians of {fig['repeats']} runs. Traces: synthetic (traces/synth.py, seed 0), "
+        "decode only, full router logits; cache per layer at 25 % of the experts, hardware "
+        "h200_pcie5, the model preset's expert sizes. A *lookup* is one selected expert of one "
+        "token at one layer (tokens x layers x top-k); a *step* is one token at one layer.",
+        "",
+        "## Throughput (one core) and the reference engine",
+        "",
+    ]
+    rows = []
+    for name, s in fig["shapes"].items():
+        sh = s["shape"]
+        for pol, p in s["policies"].items():
+            c = _med(p["cpu_s"])
+            rows.append([
+                f"{name} ({sh['layers']}/{sh['experts']}/top-{sh['top_k']})", pol,
+                f"{p['steps'] // sh['layers']:,}", f"{p['lookups']:,}",
+                f"{_rate(p['lookups'], c) / 1e6:.2f}", f"{_rate(p['steps'], c) / 1e6:.3f}",
+                f"{_med(p['wall_s']):.3f}", f"{p['peak_rss'] / mib:.0f}",
+                f"{p['hit_rate']:.3f}", f"{p['substitution_rate']:.3f}",
+                f"{_med(p['ref_cpu_s']) / _med(p['ref_numba_cpu_s']):.0f}x"
+                + ("" if p["ref_equal"] else " (results DIFFER)"),
+            ])
+    out.append(_table(["shape (layers/experts/top-k)", "policy", "tokens", "lookups",
+                       "M lookups/s", "M steps/s", "wall s", "peak RSS MiB", "hit rate",
+                       "subst. rate", "Numba / reference"], rows))
+    first = next(iter(fig["shapes"].values()))
+    out += [
+        "",
+        "Peak RSS is the worker process's high-water mark during that policy's runs (trace mapped "
+        f"from the trace cache; the process holds {first['baseline_rss'] / mib:.0f} MiB after its "
+        "imports). *Numba / reference*: CPU time of the reference engine over the Numba engine "
+        "on the trace's first tokens ("
+        + ", ".join(f"{s['shape']['name']}: {s['policies']['fetch_all+lru']['ref_tokens']}"
+                    for s in fig["shapes"].values())
+        + " tokens), both engines on the same chunks; their results are compared field by field.",
+        "",
+        "## libCacheSim on the identical request stream",
+        "",
+    ]
+    rows = []
+    for name, s in fig["shapes"].items():
+        lc = s["libcachesim"]
+        n = lc["requests"]
+        for ev, p in lc["policies"].items():
+            ours, theirs = _med(p["ours_cpu_s"]), _med(p["lcs_cpu_s"])
+            rows.append([
+                name, ev.upper(), f"{lc['capacity']:,}", f"{n:,}", f"{p['lcs_misses']:,}",
+                f"{p['stream_misses']:,}", "yes" if p["stream_misses"] == p["lcs_misses"] else "NO",
+                f"{p['step_misses']:,} ({(p['step_misses'] - p['lcs_misses']) / max(1, p['lcs_misses']):+.3%})",
+                f"{_rate(n, theirs) / 1e6:.1f}", f"{_rate(n, ours) / 1e6:.1f}", f"{theirs / ours:.1f}x",
+            ])
+    out.append(_table(["shape", "eviction", "capacity (experts)", "requests", "misses libCacheSim",
+                       "misses ours, request per step", "equal", "misses ours, token-layer steps",
+                       "libCacheSim M req/s", "ours M lookups/s", "ours / libCacheSim"], rows))
+    out += [
+        "",
+        "Key = layer x E + expert, one cache over all layers (scope global, budget = capacity x "
+        "expert bytes), fetch every miss, cold start; libCacheSim reads the stream as a binary "
+        "oracleGeneral trace with its C++ reader. *Request per step*: our engine on the same "
+        "stream as a one-layer top-1 trace, so each step is one request, as in libCacheSim; the "
+        "counts must match exactly. *Token-layer steps*: the real trace, where a step's k lookups "
+        "see the pool as it was at the step's start plus the step's own fetches "
+        "(docs/semantics.md: residency never shrinks during a step), while a per-request "
+        "simulator may evict a later rank of the same step to admit an earlier miss. Example "
+        "(capacity 2, one layer): steps [A, B] then [C, A]: the engine keeps A through the second "
+        "step (3 misses), LRU per request evicts A to admit C (4 misses). Throughput: CPU time of "
+        "`process_trace` against our engine on the real trace (the way it is used).",
+        "",
+        "## JIT start-up",
+        "",
+    ]
+    cold = fig["jit_cold"]
+    cached = fig["jit_cached"]
+    rows = [
+        ["cold (empty NUMBA_CACHE_DIR)", f"{cold['import_s']:.2f}", f"{cold['engine_first_calls_s']:.2f}",
+         f"{cold['mrc_first_call_s']:.2f}", f"{cold['process_cpu_s']:.1f}"],
+        ["from cache", f"{_med([j['import_s'] for j in cached]):.2f}",
+         f"{_med([j['engine_first_calls_s'] for j in cached]):.2f}",
+         f"{_med([j['mrc_first_call_s'] for j in cached]):.2f}",
+         f"{_med([j['process_cpu_s'] for j in cached]):.1f}"],
+    ]
+    out.append(_table(["", "import s", "first call, 5 policies s", "first MRC call s",
+                       "process CPU s"], rows))
+    out += [
+        "",
+        "A fresh process imports the engines and runs each policy once on an 8-token trace "
+        "(wall seconds); the cold run compiles every kernel.",
+        "",
+        "## One-pass miss-ratio curves, many configurations, trace cache",
+        "",
+    ]
+    rows = []
+    for name, s in fig["shapes"].items():
+        m = s["mrc"]
+        one, run = _med(m["cpu_s"]), _med(m["run_cpu_s"])
+        rows.append([name, f"{m['sizes'] + 1}", f"{one:.3f}", f"{run:.3f}",
+                     f"{(m['sizes'] + 1) * run / one:.0f}x", "yes" if m["equal"] else "NO",
+                     ", ".join(str(x) for x in m["checked_sizes"])])
+    out.append(_table(["shape", "cache sizes", "MRC CPU s", "one engine run CPU s",
+                       "MRC vs all per-size runs", "equal to engine", "sizes checked"], rows))
+    many = fig["many"]
+    out += [
+        "",
+        "MRC: `simulator.mrc.mrc(source, 'per_layer')`, hit rate at every per-layer size 0..E in "
+        "one pass, against `fetch_all` + LRU runs of the engine; checked equal at the sizes listed "
+        "and at one global budget.",
+        "",
+        f"`simulate_many` ({many['shape']}, {many['configs']} configurations: every policy at "
+        f"cache fractions {', '.join(str(f) for f in MANY_FRACTIONS)}): {many['one_s']:.2f} s on "
+        f"one thread, {many['many_s']:.2f} s on {many['workers']} threads "
+        f"({many['one_s'] / many['many_s']:.2f}x); results equal: {'yes' if many['equal'] else 'NO'}.",
+        "",
+    ]
+    rows = [[name, f"{s['trace_bytes'] / mib:.0f}", f"{s['parquet_decode_s']:.2f}",
+             f"{s['cache_build_s']:.2f}", f"{s['open_from_cache_s'] * 1e3:.1f}"]
+            for name, s in fig["shapes"].items()]
+    out.append(_table(["trace", "Parquet MiB", "Parquet decode s", "cache build s",
+                       "open from cache ms"], rows))
+    if "scale" in fig:
+        sc, syn = fig["scale"], fig["scale_synth"]
+        out += [
+            "",
+            "## Scale",
+            "",
+            f"{sc['tokens']:,} tokens of {SCALE_SHAPE.name} shape, top-k only "
+            f"({syn['bytes'] / 2**30:.2f} GiB Parquet, written by the streaming synth in "
+            f"{syn['wall_s']:.0f} s on one core while the measurements above ran), streamed from "
+            f"Parquet through {SCALE_POLICY}: {sc['wall_s']:.0f} s wall, {sc['cpu_s']:.0f} s CPU "
+            f"(Parquet decode included), {sc['lookups'] / sc['cpu_s'] / 1e6:.1f} M lookups/s, "
+            f"peak RSS {sc['peak_rss'] / mib:.0f} MiB, hit rate {sc['hit_rate']:.3f}.",
+        ]
+    out += ["", "## Targets", ""]
+    out.append(_table(["target", "measured", "", "met"],
+                      [[t, m, r, "yes" if ok else "**no**"] for t, m, r, ok in _targets(fig)]))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="moe-bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the Markdown report here (e.g. docs/BENCHMARKS.md)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is reported)")
+    ap.add_argument("--scale-tokens", type=int, default=1_000_000,
+                    help="tokens of the large streamed trace (0: skip)")
+    ap.add_argument("--token-scale", type=float, default=1.0,
+                    help="multiply the per-shape trace sizes (e.g. 0.1 for a quick smoke run)")
+    ap.add_argument("--work-dir", help="scratch directory (default: a temporary one, removed)")
+    ap.add_argument("--json", help="also write the raw figures as JSON here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        task = json.loads(args.worker)
+        print(json.dumps(WORKERS[task.pop("kind")](task)))
+        return
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="moe-bench-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        figures = run_bench(max(1, args.repeats), args.scale_tokens, work_dir, args.token_scale)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    report = render(figures)
+    print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(report)
+
+
+if __name__ == "__main__":
+    main()
