@@ -1,6 +1,6 @@
 """Quality analyses of a moe-emulate run, as tables for docs/QUALITY.md.
 
-Reads a run folder (``results.npz`` and ``emulation.json`` written by ``moe-emulate``) and
+Reads a run folder (``results.npz``, ``open_loop.npz``, ``emulation.json`` of ``moe-emulate``) and
 computes, per strategy, the perplexity and its increase over fetch_all, the substitution rate
 and the mean substituted mass; then the 0.15 rule against substitute-all, the mass hypothesis
 across strategies and across inputs (Pearson r with bootstrap confidence intervals), background
@@ -97,8 +97,11 @@ class Run:
 def load(run_dir: str | Path) -> Run:
     run_dir = Path(run_dir)
     info = json.loads((run_dir / "emulation.json").read_text())
-    with np.load(run_dir / "results.npz") as z:
-        arrays = {k: z[k] for k in z.files}
+    arrays = {}
+    for name in ("results.npz", "open_loop.npz"):
+        if (run_dir / name).exists():
+            with np.load(run_dir / name) as z:
+                arrays.update({k: z[k] for k in z.files})
     return Run(info, arrays)
 
 
@@ -172,7 +175,7 @@ def strategy_table(run: Run) -> list[dict]:
     """Per strategy: perplexity, increase over fetch_all, substitution rate, mean mass, ..."""
     a, ok, ref = run.arrays, run.scored(), run.reference
     ppl = np.exp(a["nll"][:, ok].mean(1))
-    open_ppl = np.exp(a["nll_open"][:, ok].mean(1)) if "nll_open" in a else None
+    open_ppl = np.exp(a["open_nll"][:, ok].mean(1)) if "open_nll" in a else None
     rows = []
     for r, s in enumerate(run.info["strategies"]):
         sim = a["simulated"][r]
@@ -320,7 +323,7 @@ def closed_vs_open(run: Run, rows: list[dict]) -> dict | None:
     open_ = np.array([rows[i]["open_ppl_increase"] for i in idx])
     a, ok = run.arrays, run.scored()
     ppl_ref_closed = math.exp(float(a["nll"][ref, ok].mean()))
-    ppl_ref_open = math.exp(float(a["nll_open"][ref, ok].mean()))
+    ppl_ref_open = math.exp(float(a["open_nll"][ref, ok].mean()))
     return {
         "strategies": len(idx),
         "r": float(pearson(closed, open_)),

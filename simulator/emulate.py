@@ -21,8 +21,8 @@ row) and applies them in one batched teacher-forced pass per window.
     moe-emulate --out runs/emulate                      # fixture model, held-out text
     moe-emulate --max-tokens 2000 --fractions 0.25 --workers 2 --out runs/emulate-small
 
-Writes ``results.npz`` (per strategy x token arrays), ``emulation.json`` (strategies, model,
-checks, timings) and, with ``--traces``, one trace per strategy (``traces/<i>_<name>.parquet``).
+Writes ``results.npz`` and ``open_loop.npz`` (per strategy x token arrays), ``emulation.json``
+(strategies, model, checks, timings) and, with ``--traces``, one trace per strategy (``traces/<i>_<name>.parquet``).
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ DEFAULT_FRACTIONS = (0.10, 0.25, 0.50)
 TAUS_PROTECTED = (0.05, 0.10, 0.20, 0.25, 0.30, 0.40, 0.50)
 TAUS_UNPROTECTED = (0.30, 0.40, 0.50, 0.60, 0.80)
 BETAS = (0.25, 1.0, 2.0)  # quality_first has beta = 0.5
+OPEN = "open_"  # prefix of the open-loop arrays (open_loop.npz)
 NOT_DECIDED = -1  # decision code of a warm-up token (init=frequency): not simulated, run exactly
 SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "MixtralSparseMoeBlock")
 
@@ -686,7 +687,7 @@ class Emulation:
     nll: np.ndarray  # float32[R, T] closed loop
     rec: Recorder
     checks: list[dict] | None = None  # per lane: moe-sim's replay of the lane's own trace
-    nll_open: np.ndarray | None = None  # float32[R, T]
+    open_nll: np.ndarray | None = None  # float32[R, T]
     open_decisions: Decisions | None = None  # [R, T, L, k]
     open_applied_mass: np.ndarray | None = None  # float64[R, T, L]
     seconds: dict | None = None
@@ -756,7 +757,7 @@ def emulate(model, sites, meta: TraceMeta, tokens: Tokens, strategies: Sequence[
                 em.open_decisions.mass[r, sp] = lane_dec.mass[i]
             seconds["open_loop_decisions"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            em.nll_open, em.open_applied_mass = run_open_loop(model, sites, tokens, rec.experts[r0], em.open_decisions)
+            em.open_nll, em.open_applied_mass = run_open_loop(model, sites, tokens, rec.experts[r0], em.open_decisions)
             seconds["open_loop_forward"] = time.perf_counter() - t0
             log(f"open loop: {seconds['open_loop_decisions']:.1f} s decisions, "
                 f"{seconds['open_loop_forward']:.1f} s forward")
@@ -770,7 +771,7 @@ def token_mass(mass: np.ndarray) -> np.ndarray:
 
 
 def summary_arrays(em: Emulation) -> dict[str, np.ndarray]:
-    """The per strategy x token arrays of results.npz (names: docs/QUALITY.md)."""
+    """Per strategy x token arrays [R, T] and per-token arrays [T] (names: docs/QUALITY.md)."""
     codes = em.rec.codes
     tok = em.tokens
     arrays = {
@@ -785,14 +786,8 @@ def summary_arrays(em: Emulation) -> dict[str, np.ndarray]:
         "fetches": np.isin(codes, (FETCH, FORCED_FETCH)).sum((2, 3)).astype(np.int16),
         "forced_fetches": (codes == FORCED_FETCH).sum((2, 3)).astype(np.int16),
     }
-    if em.checks is not None:
-        sim = np.full(em.nll.shape, math.nan)
-        lanes = Lanes.of(len(em.strategies), tok)
-        for c, r, a, b in zip(em.checks, lanes.strategy, lanes.start, lanes.stop, strict=True):
-            sim[r, a:b][arrays["simulated"][r, a:b]] = c["mass"]
-        arrays["sim_mass"] = sim
-    if em.nll_open is not None:
-        arrays["nll_open"] = em.nll_open
+    if em.open_nll is not None:
+        arrays["open_nll"] = em.open_nll
         arrays["open_mass"] = token_mass(em.open_decisions.mass)
         arrays["open_applied_mass"] = token_mass(em.open_applied_mass)
         arrays["open_substitutions"] = (em.open_decisions.codes == SUBSTITUTE).sum((2, 3)).astype(np.int16)
@@ -826,9 +821,15 @@ def write_results(out: Path, em: Emulation, info: dict) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     arrays = summary_arrays(em)
     checks = check_summary(em, arrays)
-    tmp = out / "results.tmp.npz"
-    np.savez_compressed(tmp, **arrays)
-    tmp.replace(out / "results.npz")
+    # float32 on disk keeps a 67-strategy x 12k-token run under 16 MiB a file; the exactness
+    # check above ran on the float64 sums
+    small = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in arrays.items()}
+    for name, keys in (("results", [k for k in small if not k.startswith(OPEN)]),
+                       (OPEN + "loop", [k for k in small if k.startswith(OPEN)])):
+        if keys:
+            tmp = out / f"{name}.tmp.npz"
+            np.savez_compressed(tmp, **{k: small[k] for k in keys})
+            tmp.replace(out / f"{name}.npz")
     doc = {
         **info,
         "meta": asdict(em.meta),
@@ -921,7 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", action="store_true", help="skip replaying each strategy's trace in moe-sim's engine")
     p.add_argument("--no-open-loop", action="store_true", help="skip the open-loop comparison")
     p.add_argument("--traces", action="store_true", help="keep each strategy's traces under OUT/traces/")
-    p.add_argument("--out", required=True, help="output folder (results.npz, emulation.json)")
+    p.add_argument("--out", required=True, help="output folder (results.npz, open_loop.npz, emulation.json)")
     return p
 
 

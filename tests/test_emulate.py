@@ -206,9 +206,9 @@ def test_open_loop_replays_decisions_from_the_unperturbed_routing(tmp_path):
     arrays = summary_arrays(em)
     ok = np.isfinite(arrays["nll"][0])
     # batched and token-by-token attention agree up to float32 rounding
-    np.testing.assert_allclose(arrays["nll_open"][0, ok], arrays["nll"][0, ok], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(arrays["open_nll"][0, ok], arrays["nll"][0, ok], rtol=1e-4, atol=1e-5)
     assert arrays["open_substitutions"][1].sum() > 0 and arrays["open_applied_mass"][1].sum() > 0
-    assert not np.allclose(arrays["nll_open"][1, ok], arrays["nll_open"][0, ok])
+    assert not np.allclose(arrays["open_nll"][1, ok], arrays["open_nll"][0, ok])
     # the open loop's decisions are the simulator's on the fetch_all trace
     params = strategy_params(strategies[1], meta)
     for stream in range(tokens.streams):
