@@ -741,15 +741,22 @@ def _write_results(outdir: Path, out: dict, rows: list[dict]) -> None:
 
 
 def compare_runs(measured: dict, profile: dict, simulate) -> list[dict]:
-    """Per run: measured and simulated ms per token. ``simulate(overrides, profile) -> summary``."""
+    """Per run: measured and simulated ms per token and the per-token gap.
+
+    ``simulate(overrides, profile) -> (summary, simulated decode-token times in us)``.
+    """
     rows = []
     for r in measured["runs"]:
-        summary = simulate(r["overrides"], profile)
-        sim = summary["ms_per_token"]
-        meas = r["measured_ms_per_token"]
-        rows.append(dict(policy=r["policy"], fraction=r["fraction"], measured_ms=meas, simulated_ms=sim,
-                         rel_err=(sim - meas) / meas, stall_ms=summary.get("stall_ms_per_token"),
-                         device_sim_ms=r.get("simulated_ms_per_token"), counts=r.get("counts", {})))
+        summary, sim_us = simulate(r["overrides"], profile)
+        meas_us = np.asarray(r["measured_us"], dtype=np.float64)
+        if len(sim_us) != len(meas_us):
+            raise InputError(f"run {r['name']}: {len(meas_us)} measured decode tokens but the simulator "
+                             f"gives {len(sim_us)}; compare with the trace and overrides the plan used")
+        sim, meas = summary["ms_per_token"], r["measured_ms_per_token"]
+        rows.append(dict(name=r["name"], policy=r["policy"], fraction=r["fraction"], measured_ms=meas,
+                         simulated_ms=sim, rel_err=(sim - meas) / meas, stall_ms=summary.get("stall_ms_per_token"),
+                         gap_us=(meas_us - np.asarray(sim_us)).tolist(),
+                         fetches=r.get("fetches_per_token"), background=r.get("background_per_token")))
     return rows
 
 
@@ -767,68 +774,69 @@ def speedups(rows: list[dict], baseline: str = "fetch_all") -> list[dict]:
     return out
 
 
-def simulate_with_profile(overrides: list[str], profile: dict, engine: str = "reference") -> dict:
-    """The moe-sim summary for these overrides with ``profile`` as the hardware section."""
+def simulate_with_profile(overrides: list[str], profile: dict, engine: str = "numba") -> tuple[dict, np.ndarray]:
+    """moe-sim's summary and decode-token times (us) for these overrides, hardware = ``profile``."""
     from omegaconf import OmegaConf
 
     from simulator.run import compose, simulate_config
 
     cfg = OmegaConf.to_container(compose(list(overrides) + [f"engine={engine}"]), resolve=True)
     cfg["hardware"] = profile
-    return simulate_config(cfg)[0]
+    summary, result = simulate_config(cfg)
+    return summary, result.time_us[result.phase == PHASE_DECODE]
 
 
-def per_token_fit(measured: dict, key: str = "measured_us") -> dict | None:
-    """Least squares over every decode token of every run: time = a + b * fetches + c * background.
-
-    ``fetches``: synchronous fetches of the token; ``background``: background transfers issued in
-    it. Returns the base (us per token), the cost per fetch and per background transfer (us).
-    """
-    rows, y = [], []
-    for r in measured["runs"]:
-        f, b = r.get("fetches_per_token"), r.get("background_per_token")
-        if not f or len(f) != len(r[key]):
+def gap_fit(rows: list[dict]) -> dict | None:
+    """Least squares over every decode token of every run: measured - simulated (us) =
+    per_token + per_fetch * synchronous fetches + per_background * background transfers issued."""
+    A, y = [], []
+    for r in rows:
+        if not r.get("fetches") or not r.get("background"):
             return None
-        rows += [[1.0, fi, bi] for fi, bi in zip(f, b, strict=True)]
-        y += r[key]
-    if len(rows) < 3:
+        A += [[1.0, f, b] for f, b in zip(r["fetches"], r["background"], strict=True)]
+        y += r["gap_us"]
+    if len(A) < 3:
         return None
-    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
-    return dict(base_us=float(coef[0]), per_fetch_us=float(coef[1]), per_background_us=float(coef[2]))
+    coef, *_ = np.linalg.lstsq(np.array(A), np.array(y), rcond=None)
+    return dict(per_token_us=float(coef[0]), per_fetch_us=float(coef[1]), per_background_us=float(coef[2]))
+
+
+NOTES_MARKER = "<!-- notes: kept when moe-replay compare rewrites this file -->"
 
 
 def render_validation(measured: dict, profile: dict, profile_path: str, rows: list[dict], speed: list[dict],
-                      fit: dict | None, tolerance: float = 0.10) -> str:
-    """docs/VALIDATION.md: the measured-vs-simulated table, the speedups and the diagnosis."""
+                      engine: str, tolerance: float = 0.10) -> str:
+    """docs/VALIDATION.md: the measured-vs-simulated table, the speedups and the per-token gap."""
     h = measured["header"]
     host = measured.get("host", {})
     dims = measured.get("dims", {})
+    cuda = str(measured.get("device", "")).startswith("cuda")
     out = io.StringIO()
     w = out.write
     w("# Validation: simulated against measured time per token\n\n")
-    w("Generated by `moe-replay compare`; the numbers come from `moe-replay run` on a GPU host "
-      "(see the reproduction commands at the end).\n\n")
+    w("Written by `moe-replay compare` from the measurements of `moe-replay run` (commands below).\n\n")
     w("## Set-up\n\n")
-    w(f"- Host: {host.get('gpu', '?')}, PCIe {host.get('pcie', '?')} (link {host.get('pcie_current', '?')} when "
-      f"queried), CPU {host.get('cpu', '?')} x{host.get('cpu_count', '?')}, torch {host.get('torch', '?')}.\n")
-    w(f"- Hardware profile: `{profile_path}` ({profile.get('source')}, {profile['host'].get('date')}): PCIe "
-      f"{profile['pcie']['latency_us']} us + bytes / {profile['pcie']['bandwidth_gbps']} GB/s per copy.\n")
+    w(f"- Host: {host.get('gpu', '?')}, PCIe {host.get('pcie', '?')}, CPU {host.get('cpu', '?')} "
+      f"x{host.get('cpu_count', '?')}, torch {host.get('torch', '?')}.\n")
+    w(f"- Hardware profile `{profile_path}` ({profile.get('source')}, {profile['host'].get('date')}): a copy costs "
+      f"{profile['pcie']['latency_us']} us + bytes / {profile['pcie']['bandwidth_gbps']} GB/s.")
     comp = (profile.get("compute") or {}).get(h.get("model"), {})
     if comp:
-        w(f"- Measured compute for `{h.get('model')}`: expert {comp.get('gpu_expert_us')} us (batch 1, CUDA graph), "
-          f"non-expert {comp.get('nonexpert_layer_us')} us per layer.\n")
-    w(f"- Trace: `{h.get('trace')}`: {h.get('num_layers')} layers x {h.get('num_experts')} experts, "
-      f"top-{h.get('top_k')}, {len(measured['runs'][0].get('measured_us', []))} decode tokens, full logits; "
-      f"expert {h.get('expert_bytes', 0) / MIB:.2f} MiB; replayed expert {dims.get('hidden')}x"
-      f"{dims.get('expert_intermediate')} SwiGLU, {measured.get('dtype', 'bfloat16')}.\n")
-    w(f"- Replay: {measured.get('host_layers')} layers of experts in pinned host memory (trace layer l reads "
-      f"host layer l mod {measured.get('host_layers')}: the model's 48 x 512 experts, 155 GB, exceed the "
-      f"host's RAM), experts run as `{measured.get('expert_mode')}` kernels, {measured.get('repeats')} "
-      "repeat(s) per run, per-token times from "
-      f"{'CUDA events' if str(measured.get('device', '')).startswith('cuda') else 'the wall clock'}, "
-      "synchronised per token.\n")
-    w("- Simulated: `moe-sim` (reference engine) with the same trace, policy preset, "
-      "`cache.fraction`, `model` and profile; cold cache.\n\n")
+        w(f" For `{h.get('model')}`: {comp.get('gpu_expert_us')} us per expert call, "
+          f"{comp.get('nonexpert_layer_us')} us of non-expert compute per layer.")
+    w("\n")
+    n_tokens = len(measured["runs"][0].get("measured_us", []))
+    w(f"- Trace `{h.get('trace')}`: {h.get('num_layers')} layers x {h.get('num_experts')} experts, "
+      f"top-{h.get('top_k')}, full router logits; {n_tokens} decode tokens timed per run; moe-sim overrides "
+      f"`{' '.join(measured['runs'][0]['overrides'][3:])}` besides trace, policy and fraction.\n")
+    w(f"- Replay: expert {dims.get('hidden')}x{dims.get('expert_intermediate')} SwiGLU in "
+      f"{measured.get('dtype', 'bfloat16')} ({h.get('expert_bytes', 0) / MIB:.2f} MiB); "
+      f"{measured.get('host_layers')} layers of experts in pinned host memory, trace layer l reading host layer "
+      f"l mod {measured.get('host_layers')}; experts run `{measured.get('expert_mode')}`; "
+      f"{measured.get('repeats')} execution(s) per run; time per token from "
+      f"{'CUDA events' if cuda else 'the wall clock'}, synchronised per token.\n")
+    w(f"- Simulated: moe-sim (`engine={engine}`) on the same trace, policy preset, `cache.fraction`, overrides "
+      "and profile.\n\n")
     w("## Time per decode token\n\n")
     w("| policy | resident | measured ms/token | simulated ms/token | error | within 10 % |\n")
     w("|---|---:|---:|---:|---:|:---:|\n")
@@ -841,29 +849,25 @@ def render_validation(measured: dict, profile: dict, profile_path: str, rows: li
       f"{sum(e <= tolerance for e in errs)} of {len(errs)} rows within {tolerance:.0%}.\n\n")
     w("## Speedup over fetch_all\n\n")
     w("| policy | resident | measured | simulated | error | within 10 % |\n|---|---:|---:|---:|---:|:---:|\n")
-    for s in speed:
-        if s["policy"] not in ("quality_first", "speed_first"):
-            continue
+    for s in sorted(speed, key=lambda s: (s["policy"] not in ("quality_first", "speed_first"), s["policy"])):
         ok = abs(s["rel_err"]) <= tolerance
         w(f"| {s['policy']} | {s['fraction']:.0%} | {s['measured']:.2f}x | {s['simulated']:.2f}x | "
           f"{s['rel_err']:+.1%} | {'yes' if ok else '**no**'} |\n")
-    w("\nOther policies (rule015, first_choice):\n\n")
-    w("| policy | resident | measured | simulated |\n|---|---:|---:|---:|\n")
-    for s in speed:
-        if s["policy"] in ("quality_first", "speed_first"):
-            continue
-        w(f"| {s['policy']} | {s['fraction']:.0%} | {s['measured']:.2f}x | {s['simulated']:.2f}x |\n")
-    sim_fit = per_token_fit(measured, "simulated_us")
-    if fit and sim_fit:
+    fit = gap_fit(rows)
+    if fit:
         per_copy = profile["pcie"]["latency_us"] + h.get("expert_bytes", 0) / (profile["pcie"]["bandwidth_gbps"] * 1e3)
-        w("\n## Where the time goes\n\n")
-        w(f"A least-squares fit of measured ms/token over the runs against fetches and background "
-          f"transfers per token gives {fit['per_fetch_us']:.1f} us per synchronous fetch "
-          f"(profile: {per_copy:.1f} us per expert copy) and {fit['per_background_us']:.1f} us per "
-          f"background transfer on the critical path, over a base of {fit['base_us'] / 1e3:.3f} ms per "
-          f"token. The same fit of the simulated times: {sim_fit['per_fetch_us']:.1f} us per fetch, "
-          f"{sim_fit['per_background_us']:.1f} us per background transfer, base "
-          f"{sim_fit['base_us'] / 1e3:.3f} ms.\n")
+        w("\n## Where the gap is\n\n")
+        w("Per decode token, measured minus simulated time, fitted over all tokens of all runs as a constant plus "
+          "a cost per synchronous fetch and per background transfer issued in the token:\n\n")
+        w(f"- {fit['per_token_us']:.0f} us per token ({fit['per_token_us'] / max(1, h.get('num_layers', 1)):.1f} us "
+          "per layer) that the model does not have;\n")
+        w(f"- {fit['per_fetch_us']:+.1f} us per synchronous fetch (the profile charges {per_copy:.1f} us per expert "
+          "copy);\n")
+        w(f"- {fit['per_background_us']:+.1f} us per background transfer.\n\n")
+        w("| run | mean gap (us/token) | fetches/token | background/token |\n|---|---:|---:|---:|\n")
+        for r in rows:
+            w(f"| {r['name']} | {statistics.mean(r['gap_us']):.0f} | {statistics.mean(r['fetches']):.1f} | "
+              f"{statistics.mean(r['background']):.1f} |\n")
     return out.getvalue()
 
 
@@ -871,16 +875,17 @@ def cmd_compare(args) -> None:
     measured = json.loads(Path(args.measured).read_text())
     profile = load_profile(args.profile)
     rows = compare_runs(measured, profile, lambda o, p: simulate_with_profile(o, p, args.engine))
-    speed = speedups(rows)
-    text = render_validation(measured, profile, args.profile, rows, speed, per_token_fit(measured))
-    if args.notes and Path(args.notes).exists():
-        text += "\n" + Path(args.notes).read_text()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    text = render_validation(measured, profile, args.profile, rows, speedups(rows), args.engine)
+    out = Path(args.out)
+    notes = "\n"
+    if out.exists() and NOTES_MARKER in out.read_text():
+        notes = out.read_text().split(NOTES_MARKER, 1)[1]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n" + NOTES_MARKER + notes)
     for r in rows:
         print(f"{r['policy']:>14s} {r['fraction']:.2f}: measured {r['measured_ms']:8.3f}  "
               f"simulated {r['simulated_ms']:8.3f}  error {r['rel_err']:+.1%}")
-    log(f"wrote {args.out}")
+    log(f"wrote {out}")
 
 
 # --------------------------------------------------------------------------- command line
@@ -914,8 +919,7 @@ def parser() -> argparse.ArgumentParser:
     cp.add_argument("measured", help="replay.json from 'moe-replay run'")
     cp.add_argument("--profile", required=True, help="hardware profile YAML")
     cp.add_argument("--out", default="docs/VALIDATION.md")
-    cp.add_argument("--engine", default="reference", choices=("reference", "numba"))
-    cp.add_argument("--notes", default=None, help="a Markdown file appended to the report")
+    cp.add_argument("--engine", default="numba", choices=("numba", "reference"))
     return p
 
 

@@ -1,0 +1,199 @@
+"""moe-replay on the CPU: plans follow the reference engine exactly, slot operations are safe,
+tiny replays produce sane per-token times, and the comparison report is right."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from simulator import replay
+from simulator.engine import simulate
+from simulator.replay import (
+    NOTES_MARKER,
+    compare_runs,
+    gap_fit,
+    load_plans,
+    plan_run,
+    render_validation,
+    save_plans,
+    speedups,
+    verify_plan,
+)
+from simulator.run import build_params, compose
+from traces.errors import InputError
+from traces.format import PHASE_DECODE, write_trace
+from traces.synth import write_synth_trace
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILE = REPO / "conf" / "hardware" / "h200_measured.yaml"
+
+
+def _params(meta, policy: str, fraction: float, *extra: str):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(compose([f"policy={policy}", f"cache.fraction={fraction}", *extra]), resolve=True)
+    cfg["hardware"] = yaml.safe_load(PROFILE.read_text())
+    return build_params(cfg, meta)[0]
+
+
+CASES = [
+    ("fetch_all", 0.25, ()),
+    ("rule015", 0.25, ()),
+    ("quality_first", 0.25, ()),
+    ("speed_first", 0.5, ()),
+    ("quality_first", 0.25, ("cache.init=frequency", "cache.warmup_tokens=10")),
+    ("speed_first", 0.25, ("cache.scope=global",)),
+]
+
+
+@pytest.mark.parametrize("policy, fraction, extra", CASES)
+def test_plan_follows_the_reference_engine(tiny_trace, policy, fraction, extra):
+    source = tiny_trace(tokens=96, experts=16, top_k=3)
+    params = _params(source.meta, policy, fraction, *extra)
+    plan = plan_run(params, source.meta, source.chunk, "x", policy, fraction, [])
+    expected = simulate(source, params, engine="reference")
+    decode = expected.phase == PHASE_DECODE
+    # recording changes nothing: the engine's times are the simulator's
+    np.testing.assert_array_equal(plan.sim_decode_us, expected.time_us[decode])
+    assert plan.counts["fetches"] == int(expected.fetches[decode].sum())
+    assert plan.counts["substitutions"] == int(expected.substitutions[decode].sum())
+    assert plan.counts["background_admissions"] == expected.background_admissions
+    steps = len(plan.group_phase) * source.meta.num_layers
+    assert len(plan.steps) == steps
+    # every selected rank runs one expert kernel (prefill: every unique expert)
+    decode_steps = [s for s in plan.steps if plan.group_phase[s.group] == PHASE_DECODE]
+    assert all(len(s.experts) == source.meta.top_k for s in decode_steps)
+
+
+@pytest.mark.parametrize("policy, fraction, extra", CASES)
+def test_saved_plans_are_hazard_free(tmp_path, tiny_trace, policy, fraction, extra):
+    source = tiny_trace(tokens=96, experts=16, top_k=3)
+    params = _params(source.meta, policy, fraction, *extra)
+    plan = plan_run(params, source.meta, source.chunk, "r", policy, fraction, ["o"])
+    save_plans(tmp_path / "p.npz", {"model": "m"}, [plan])
+    header, runs = load_plans(tmp_path / "p.npz")
+    assert header["runs"][0]["num_slots"] == plan.num_slots
+    verify_plan(runs["r"])
+
+
+def test_verify_plan_finds_a_wrong_slot(tmp_path, tiny_trace):
+    source = tiny_trace(tokens=48, experts=16, top_k=3)
+    plan = plan_run(_params(source.meta, "fetch_all", 0.25), source.meta, source.chunk, "r", "fetch_all", 0.25, [])
+    save_plans(tmp_path / "p.npz", {}, [plan])
+    _, runs = load_plans(tmp_path / "p.npz")
+    arrays = dict(runs["r"])
+    experts = arrays["experts"].copy()
+    experts[-1, 1] += 1  # claim a different expert than the slot holds
+    arrays["experts"] = experts
+    with pytest.raises(ValueError, match="runs from slot"):
+        verify_plan(arrays)
+
+
+def test_cpu_miss_action_is_refused(tiny_trace):
+    source = tiny_trace(tokens=32)
+    params = _params(source.meta, "cpu_offload", 0.25, "cache.warmup_tokens=8")
+    with pytest.raises(InputError, match="miss_action=cpu"):
+        plan_run(params, source.meta, source.chunk, "r", "cpu_offload", 0.25, [])
+
+
+@pytest.fixture
+def tiny_trace_file(tmp_path):
+    path = tmp_path / "tiny.parquet"
+    write_synth_trace(path, tokens=40, layers=4, experts=16, top_k=2, seed=1, prompt_share=0.5,
+                      prompt_tokens=6, seq_tokens=20, expert_bytes=3 * 64 * 32 * 2, model="tiny")
+    return path
+
+
+def test_plan_run_compare_end_to_end_on_the_cpu(tmp_path, tiny_trace_file):
+    """The three steps with tiny shapes: sane per-token times and a report that keeps its notes."""
+    pytest.importorskip("torch")
+    plan = tmp_path / "plan.npz"
+    replay.main(["plan", "--trace", str(tiny_trace_file), "--profile", str(PROFILE), "--model", "",
+                 "--policies", "fetch_all,quality_first", "--fractions", "0.25,0.5", "--out", str(plan)])
+    out = tmp_path / "out"
+    replay.main(["run", "--plan", str(plan), "--device", "cpu", "--out", str(out), "--host-layers", "2"])
+    measured = json.loads((out / "replay.json").read_text())
+    assert [r["name"] for r in measured["runs"]] == ["fetch_all@0.25", "fetch_all@0.5", "quality_first@0.25",
+                                                     "quality_first@0.5"]
+    for r in measured["runs"]:
+        n = len(r["simulated_us"])
+        assert n > 0 and len(r["measured_us"]) == n == len(r["fetches_per_token"])
+        assert all(t > 0 for t in r["measured_us"])
+        assert sum(r["fetches_per_token"]) == r["counts"]["fetches"]
+    assert (out / "replay.csv").read_text().startswith("policy,fraction,")
+
+    doc = tmp_path / "VALIDATION.md"
+    doc.write_text("old\n" + NOTES_MARKER + "\nhand-written notes\n")
+    replay.main(["compare", str(out / "replay.json"), "--profile", str(PROFILE), "--out", str(doc),
+                 "--engine", "reference"])
+    text = doc.read_text()
+    assert "| fetch_all | 25% |" in text and "| quality_first | 50% |" in text
+    assert text.endswith("\nhand-written notes\n") and "old\n" not in text
+    # the simulator's times here are the plan's: same trace, overrides and profile
+    header, runs = load_plans(plan)
+    assert "fetch_all@0.25" in runs and header["trace"] == str(tiny_trace_file)
+
+
+def test_compare_table_speedups_and_gap():
+    measured = {"runs": [
+        {"name": "fetch_all@0.25", "policy": "fetch_all", "fraction": 0.25, "overrides": ["a"],
+         "measured_ms_per_token": 2.0, "measured_us": [2100.0, 1900.0], "fetches_per_token": [10, 8],
+         "background_per_token": [0, 0]},
+        {"name": "speed_first@0.25", "policy": "speed_first", "fraction": 0.25, "overrides": ["b"],
+         "measured_ms_per_token": 1.0, "measured_us": [1000.0, 1000.0], "fetches_per_token": [1, 1],
+         "background_per_token": [1, 0]},
+    ]}
+    sims = {"a": [2000.0, 1800.0], "b": [900.0, 950.0]}
+
+    def fake(overrides, profile):
+        t = sims[overrides[0]]
+        return {"ms_per_token": sum(t) / len(t) / 1e3}, np.array(t)
+
+    rows = compare_runs(measured, {}, fake)
+    assert rows[0]["rel_err"] == pytest.approx((1.9 - 2.0) / 2.0)
+    (s,) = speedups(rows)
+    assert s["measured"] == pytest.approx(2.0) and s["simulated"] == pytest.approx(1.9 / 0.925)
+    fit = gap_fit(rows)
+    assert fit is not None and np.isfinite(fit["per_fetch_us"])
+    profile = yaml.safe_load(PROFILE.read_text())
+    measured["header"] = {"model": "qwen3_next_80b_a3b", "num_layers": 48, "expert_bytes": 6291456}
+    text = render_validation(measured, profile, "p.yaml", rows, [s], "numba")
+    assert "| speed_first | 25% | 2.00x | 2.05x | +2.7% | yes |" in text
+
+
+def test_compare_refuses_a_run_of_another_length():
+    measured = {"runs": [{"name": "r", "policy": "p", "fraction": 0.1, "overrides": [],
+                          "measured_ms_per_token": 1.0, "measured_us": [1.0, 2.0]}]}
+    with pytest.raises(InputError, match="measured decode tokens"):
+        compare_runs(measured, {}, lambda o, p: ({"ms_per_token": 1.0}, np.array([1.0])))
+
+
+def test_run_without_a_gpu_stops_with_one_line(tmp_path, tiny_trace):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    source = tiny_trace(tokens=16)
+    write_trace(tmp_path / "t.parquet", source.meta, source.chunk)
+    plan = plan_run(_params(source.meta, "fetch_all", 0.25), source.meta, source.chunk, "r", "fetch_all", 0.25, [])
+    save_plans(tmp_path / "p.npz", {"model": "qwen3_next_80b_a3b", "num_layers": 3, "num_experts": 16,
+                                    "top_k": 2, "expert_bytes": 6291456}, [plan])
+    done = subprocess.run([sys.executable, "-m", "simulator.replay", "run", "--plan", str(tmp_path / "p.npz"),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0]
+
+
+def test_batched_expert_kernels_match_float64_in_the_interpreter(monkeypatch):
+    """The Triton kernels, run by Triton's CPU interpreter where Triton is installed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")
+    from simulator.calibrate import check_batched_experts
+
+    assert check_batched_experts(256, 128, 3, torch.device("cpu"), torch.bfloat16) < 1e-3
