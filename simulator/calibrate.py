@@ -7,8 +7,10 @@ It measures, with progress on stderr:
   fitted as ``fixed_us + bytes / bandwidth``;
 - SSD reads with O_DIRECT (page cache bypassed, aligned buffers) at expert-sized blocks,
   sequential and random, queue depth 1 and higher, from a temporary file;
-- one routed expert (SwiGLU gate/up/down) at batch 1, eager and under CUDA graphs, and the
-  non-expert part of a decoder layer (attention, router, shared expert) for each model's shapes;
+- one routed expert (SwiGLU gate/up/down) at batch 1: eager, one CUDA graph per expert, and a
+  step's k experts in one grouped kernel (Triton, slot ids read from GPU memory); the non-expert
+  part of a decoder layer (attention, router, shared expert) for each model's shapes; device
+  times with the launch queue filled ahead, and the host's launch cost beside them;
 - one routed expert on the CPU (torch, batch 1, the configured thread count).
 
 It writes the profile YAML (the schema ``simulator.hardware`` validates) and the raw samples in
@@ -261,7 +263,7 @@ def render_profile_yaml(profile: dict, header: Sequence[str] = ()) -> str:
 # --------------------------------------------------------------------------- kernels (shared with moe-replay)
 
 
-def _torch():
+def import_torch():
     try:
         import torch
     except ImportError as e:
@@ -271,7 +273,7 @@ def _torch():
 
 def resolve_device(name: str):
     """``cuda`` (the default) needs a CUDA GPU; ``cpu`` is the tiny test path."""
-    torch = _torch()
+    torch = import_torch()
     if name == "cpu":
         return torch.device("cpu")
     if not name.startswith("cuda"):
@@ -300,7 +302,7 @@ class ExpertKernel:
     """
 
     def __init__(self, hidden: int, intermediate: int, device, dtype):
-        torch = _torch()
+        torch = import_torch()
         self.hidden, self.intermediate = hidden, intermediate
         self.device, self.dtype = device, dtype
         self.x = torch.randn(1, hidden, device=device, dtype=dtype)
@@ -313,7 +315,7 @@ class ExpertKernel:
 
     def run(self, flat) -> None:
         """Run the expert whose weights are the flat buffer ``flat`` (3*H*I elements)."""
-        torch = _torch()
+        torch = import_torch()
         gate_up, down = expert_views(flat, self.hidden, self.intermediate)
         i = self.intermediate
         torch.mm(self.x, gate_up.t(), out=self._gu)
@@ -325,13 +327,13 @@ class ExpertKernel:
 
 def random_weights(n: int, numel: int, device, dtype, scale: float = 0.02):
     """n flat weight buffers of numel elements each (random: never time on zeros)."""
-    torch = _torch()
+    torch = import_torch()
     return [torch.randn(numel, device=device, dtype=dtype) * scale for _ in range(n)]
 
 
 def check_expert_kernel(hidden: int, intermediate: int, device, dtype, graph: bool = False) -> float:
     """Relative error of ExpertKernel (eager, or replayed as a CUDA graph) against float64."""
-    torch = _torch()
+    torch = import_torch()
     k = ExpertKernel(hidden, intermediate, device, dtype)
     (w,) = random_weights(1, 3 * hidden * intermediate, device, dtype, scale=0.05)
     k.gate.fill_(1.0)
@@ -428,7 +430,7 @@ class BatchedExperts:
     BI, BH, BO, BI_DOWN = 16, 256, 32, 128
 
     def __init__(self, slots, hidden: int, intermediate: int, max_n: int, max_steps: int, x, y):
-        torch = _torch()
+        torch = import_torch()
         kernels = _triton_kernels()
         if kernels is None:
             raise InputError("--expert-mode batched needs Triton (pip install triton); use graph or eager")
@@ -449,7 +451,7 @@ class BatchedExperts:
 
     def load(self, idx, count, gates=None) -> None:
         """Step rows: idx int[steps, <= max_n] slot ids, count int[steps]; resets the counter."""
-        torch = _torch()
+        torch = import_torch()
         idx = torch.as_tensor(idx, dtype=torch.int32)
         self.idx.zero_()
         self.idx[: idx.shape[0], : idx.shape[1]].copy_(idx)
@@ -475,7 +477,7 @@ class BatchedExperts:
 
 def check_batched_experts(hidden: int, intermediate: int, n: int, device, dtype) -> float:
     """Relative error of BatchedExperts against float64 on random slots, inputs and gates."""
-    torch = _torch()
+    torch = import_torch()
     numel = 3 * hidden * intermediate
     slots = torch.randn((2 * n + 1, numel), device=device, dtype=dtype) * 0.05
     x = torch.randn(1, hidden, device=device, dtype=dtype)
@@ -506,7 +508,7 @@ class NonExpertLayer:
 
     def __init__(self, dims: ModelDims, full_attention: bool, device, dtype, ctx: int = 1024,
                  expert_input=None, expert_output=None):
-        torch = _torch()
+        torch = import_torch()
         self.dims, self.full = dims, full_attention
         H = dims.hidden
 
@@ -546,12 +548,12 @@ class NonExpertLayer:
 
     @staticmethod
     def _rms(x, weight=None, eps: float = 1e-6):
-        torch = _torch()
+        torch = import_torch()
         y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
         return y * weight if weight is not None else y
 
     def _attention(self, x):
-        torch = _torch()
+        torch = import_torch()
         F = torch.nn.functional
         d = self.dims
         q = x @ self.w_q.t()
@@ -570,7 +572,7 @@ class NonExpertLayer:
         return o.reshape(1, -1) @ self.w_o.t()
 
     def _linear_attention(self, x):
-        torch = _torch()
+        torch = import_torch()
         F = torch.nn.functional
         d = self.dims
         nk, nv, hd = d.linear_k_heads, d.linear_v_heads, d.linear_head_dim
@@ -596,7 +598,7 @@ class NonExpertLayer:
         return o.reshape(1, -1) @ self.w_out.t()
 
     def run(self) -> None:
-        torch = _torch()
+        torch = import_torch()
         F = torch.nn.functional
         d = self.dims
         h = self.hidden_state + self.expert_output.to(self.hidden_state.dtype)  # previous layer's experts
@@ -619,7 +621,7 @@ class NonExpertLayer:
 def capture_graph(fn: Callable[[], None], stream, pool=None):
     """A CUDA graph of ``fn`` captured on ``stream`` (no gc.collect per capture, unlike
     ``torch.cuda.graph``, which makes thousands of captures slow)."""
-    torch = _torch()
+    torch = import_torch()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         g.capture_begin(pool=pool)
@@ -637,7 +639,7 @@ class Timer:
     """Device-side elapsed time: CUDA events on a GPU, the wall clock on the CPU."""
 
     def __init__(self, device):
-        self.torch = _torch()
+        self.torch = import_torch()
         self.cuda = device.type == "cuda"
 
     def time_us(self, fn: Callable[[], None], n: int = 1) -> float:
@@ -710,7 +712,7 @@ def measure_h2d(device, sizes: Sequence[int], reps: int, streams: int = 4) -> li
     the size on each of ``streams`` streams at once (wall time, aggregate bandwidth).
     On the CPU the "device" is host memory (a test path only).
     """
-    torch = _torch()
+    torch = import_torch()
     timer = Timer(device)
     cuda = device.type == "cuda"
     top = max(sizes)
@@ -868,7 +870,7 @@ def measure_ssd(directory: str, file_bytes: int, blocks: Sequence[int], qds: Seq
 def _rotating_expert(hidden: int, intermediate: int, device, dtype, max_n: int, rotate_bytes: int):
     """(kernel, weights, step): ``step()`` runs the next of n experts, n chosen so that their
     weights exceed ``rotate_bytes`` (past the caches, like a real layer's experts); warmed up."""
-    torch = _torch()
+    torch = import_torch()
     numel = 3 * hidden * intermediate
     itemsize = torch.empty(0, dtype=dtype).element_size()
     n = max(2, min(max_n, math.ceil(rotate_bytes / (numel * itemsize))))
@@ -890,7 +892,7 @@ def measure_gpu_expert(device, dtype, hidden: int, intermediate: int, reps: int,
 
     Rotates over enough experts that their weights exceed the L2 cache, like a real layer does.
     """
-    torch = _torch()
+    torch = import_torch()
     timer = Timer(device)
     kern, weights, eager = _rotating_expert(hidden, intermediate, device, dtype, 64, rotate_bytes)
     n = len(weights)
@@ -935,7 +937,7 @@ def measure_batched(device, dtype, hidden: int, intermediate: int, top_k: int, r
     Slot ids are random over enough experts to exceed the L2 cache; device time with the queue
     pre-filled, and the host's launch cost per step.
     """
-    torch = _torch()
+    torch = import_torch()
     timer = Timer(device)
     numel = 3 * hidden * intermediate
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -974,7 +976,7 @@ def measure_batched(device, dtype, hidden: int, intermediate: int, top_k: int, r
 
 def measure_nonexpert(device, dtype, model: str, dims: ModelDims, reps: int, ctx: int, rotate: int = 4) -> dict:
     """Time of the non-expert part of one decoder layer per layer kind, eager and graph."""
-    torch = _torch()
+    torch = import_torch()
     timer = Timer(device)
     kinds = sorted({dims.is_full_attention(layer) for layer in range(dims.num_layers)})
     res = dict(model=model, ctx=ctx, kinds={})
@@ -1035,7 +1037,7 @@ def nonexpert_layer_us(dims: ModelDims, res: dict, key: str) -> float:
 
 def measure_cpu_expert(hidden: int, intermediate: int, dtype, threads: int, reps: int, rotate_bytes: int = 256 * MIB) -> dict:
     """Time of one routed expert on the host CPU at batch 1 (torch, ``threads`` threads)."""
-    torch = _torch()
+    torch = import_torch()
     torch.set_num_threads(threads)
     dev = torch.device("cpu")
     _, weights, one = _rotating_expert(hidden, intermediate, dev, dtype, 16, rotate_bytes)
@@ -1050,7 +1052,7 @@ def measure_cpu_expert(hidden: int, intermediate: int, dtype, threads: int, reps
 
 def host_facts(device) -> dict:
     """GPU, driver, PCIe link and CPU of this host (nvidia-smi where present)."""
-    torch = _torch()
+    torch = import_torch()
     facts = dict(cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
                  torch=torch.__version__, python=platform.python_version(), kernel=platform.release())
     try:
@@ -1090,7 +1092,7 @@ def _fit_series(samples: list[dict], **match) -> Fit:
 
 def measure_all(args) -> dict:
     """Run every measurement; return the samples (raw times, host facts, checks)."""
-    torch = _torch()
+    torch = import_torch()
     device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -1101,7 +1103,7 @@ def measure_all(args) -> dict:
         if m not in MODELS:
             raise InputError(f"--models: unknown model '{m}'; known: {', '.join(MODELS)}")
     if cpu:  # tiny shapes: the test path exercises the code, not the host
-        dims = {m: _tiny(MODELS[m]) for m in models}
+        dims = {m: tiny_dims(MODELS[m]) for m in models}
         expert_shapes = cpu_shapes = [(64, 32), (128, 64), (256, 64)]
         torch.set_num_threads(1)  # threads only contend at these sizes (CPU experts set their own)
     else:
@@ -1252,7 +1254,8 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
     return profile, fits
 
 
-def _tiny(d: ModelDims) -> ModelDims:
+def tiny_dims(d: ModelDims) -> ModelDims:
+    """Tiny shapes of the same layer structure (CPU test runs)."""
     return ModelDims(
         hidden=64, expert_intermediate=32, num_layers=4, num_experts=16, top_k=2,
         shared_intermediate=32 if d.shared_intermediate else 0, heads=4, kv_heads=2, head_dim=16,

@@ -15,10 +15,12 @@ real size live in pinned host memory (``--host-layers`` layers of them; the trac
 host layer ``l % host_layers``, because a whole model's experts rarely fit in host RAM); a GPU
 array of expert slots holds the resident ones. Per step, on the compute stream: wait for the
 background transfers the simulator completes at this step, the non-expert layer (the kernels
-``moe-calibrate`` times), the synchronous fetches as real host-to-device copies, then one real
-SwiGLU expert kernel per rank (hit, fetched or substitute; a CUDA graph per slot). Background
-admissions are real copies on a second, lower-priority stream, issued after the step's
-synchronous fetches. Time per token comes from CUDA events, synchronised per token.
+``moe-calibrate`` times), the synchronous fetches as real host-to-device copies, then the real
+SwiGLU experts of every rank (hit, fetched or substitute): one grouped kernel per step that reads
+the step's slot ids from GPU memory (``--expert-mode batched``, the default with Triton), or a
+CUDA graph per slot. Background admissions are real copies on a second, lower-priority stream,
+issued after the step's synchronous fetches. Time per token comes from CUDA events, synchronised
+per token.
 
 ``compare`` (anywhere, CPU): simulate the same trace, policies, fractions and profile through
 the moe-sim configs, and write docs/VALIDATION.md with measured against simulated ms per token.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import statistics
@@ -46,11 +49,11 @@ from simulator.calibrate import (
     ExpertKernel,
     ModelDims,
     NonExpertLayer,
-    _tiny,
-    _torch,
     capture_graph,
     host_facts,
+    import_torch,
     resolve_device,
+    tiny_dims,
 )
 from traces.errors import EXIT_INPUT_ERROR, InputError
 from traces.format import PHASE_DECODE
@@ -450,7 +453,7 @@ class Executor:
     def __init__(self, dims: ModelDims, device, dtype, num_slots: int, host_layers: int,
                  num_experts: int, expert_mode: str, ctx: int, max_steps: int = 0, max_n: int = 0,
                  rotate: int = 4):
-        torch = _torch()
+        torch = import_torch()
         self.torch, self.device, self.dtype = torch, device, dtype
         self.cuda = device.type == "cuda"
         self.dims = dims
@@ -538,7 +541,7 @@ class Executor:
 
     def _nonexpert(self, layer: int):
         full = self.dims.is_full_attention(layer)
-        i = (layer // 1) % self.rotate
+        i = layer % self.rotate
         if self.cuda:
             return self.nonexpert_graphs[full][i].replay
         return self.nonexpert[full][i].run
@@ -643,20 +646,20 @@ class _Null:
 
 
 def cmd_run(args) -> None:
-    torch = _torch()
+    torch = import_torch()
     device = resolve_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes: threads only contend
     header, runs = load_plans(Path(args.plan))
     model = header.get("model")
     if args.tiny or device.type == "cpu":
-        dims = _tiny(MODELS.get(model, MODELS["qwen3_next_80b_a3b"]))
+        dims = tiny_dims(MODELS.get(model, MODELS["qwen3_next_80b_a3b"]))
     elif model in MODELS:
         dims = MODELS[model]
     else:
         raise InputError(f"plan's model '{model}' has no shapes here; known: {', '.join(MODELS)}")
-    dims = ModelDims(**{**dims.__dict__, "num_layers": header["num_layers"],
-                        "num_experts": header["num_experts"], "top_k": header["top_k"]})
+    dims = dataclasses.replace(dims, num_layers=header["num_layers"], num_experts=header["num_experts"],
+                               top_k=header["top_k"])
     dtype = getattr(torch, args.dtype)
     if not (args.tiny or device.type == "cpu") and dims.expert_bytes(2) != header["expert_bytes"]:
         log(f"warning: trace expert_bytes {header['expert_bytes']} != {model} expert "
