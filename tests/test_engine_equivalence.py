@@ -1,0 +1,96 @@
+"""The Numba kernel and the reference engine agree exactly on random traces and policies, and
+results do not depend on how the trace is cut into chunks."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from engine_cases import RULES, assert_same, random_params, random_trace, run_both
+
+from simulator.engine import simulate
+from simulator.engine.nextuse import NextUseFile
+from simulator.engine.params import EVICTIONS, SCOPES
+from simulator.jit import jit
+from simulator.policies.eviction import NEVER_GROUP, splitmix64
+from traces.format import open_trace, write_trace
+
+CORE_AXES = list(itertools.product(EVICTIONS, RULES, SCOPES))
+
+
+@pytest.mark.parametrize("eviction, rule, scope", CORE_AXES)
+def test_engines_agree_on_every_policy(eviction, rule, scope):
+    """Each eviction x miss rule x scope, with the other axes drawn at random, six traces."""
+    base = CORE_AXES.index((eviction, rule, scope)) * 1000
+    for case in range(6):
+        rng = np.random.default_rng(base + case)
+        source = random_trace(rng)
+        p = random_params(rng, source.meta, eviction=eviction, rule=rule, scope=scope)
+        chunk_tokens = int(rng.choice([1, 5, 1000]))
+        run_both(source, p, chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_engines_agree_on_random_cases(seed):
+    rng = np.random.default_rng(10**6 + seed)
+    source = random_trace(rng)
+    p = random_params(rng, source.meta)
+    fast = simulate(source, p, "numba", chunk_tokens=int(rng.integers(1, 20)))
+    assert_same(fast, simulate(source, p, "reference", chunk_tokens=int(rng.integers(1, 20))))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_results_do_not_depend_on_chunk_size(seed):
+    rng = np.random.default_rng(2 * 10**6 + seed)
+    source = random_trace(rng)
+    p = random_params(rng, source.meta, eviction=["belady", "lfu", "random", "lru"][seed % 4])
+    whole = simulate(source, p)
+    for chunk_tokens in (1, 2, 7):
+        assert_same(whole, simulate(source, p, chunk_tokens=chunk_tokens))
+
+
+def test_engines_agree_through_the_parquet_reader(tmp_path):
+    """A written trace read back in chunks (belady walks it with iter_chunks_reversed)."""
+    rng = np.random.default_rng(7)
+    source = random_trace(rng, logits=True)
+    path = tmp_path / "t.parquet"
+    write_trace(path, source.meta, source.chunk)
+    for eviction in ("belady", "lfu"):
+        p = random_params(rng, source.meta, eviction=eviction, rule="rule015")
+        with open_trace(path) as reader:
+            fast = simulate(reader, p, chunk_tokens=5)
+            assert_same(fast, simulate(reader, p, "reference", chunk_tokens=3))
+
+
+def test_next_use_rows_match_a_direct_search():
+    rng = np.random.default_rng(3)
+    source = random_trace(rng)
+    c = source.chunk
+    L, E = source.meta.num_layers, source.meta.num_experts
+    with NextUseFile(source, chunk_tokens=4) as next_use:
+        rows = next_use.rows(0, c.num_tokens)
+        first_use = next_use.first_use.copy()
+    for t in range(c.num_tokens):
+        for layer in range(L):
+            for i, e in enumerate(c.experts[t, layer]):
+                later = [u for u in range(c.num_tokens)
+                         if c.group[u] > c.group[t] and e in c.experts[u, layer]]
+                assert rows[t, layer, i] == (c.group[later[0]] if later else NEVER_GROUP)
+    for x in range(L * E):
+        seen = [u for u in range(c.num_tokens) if x % E in c.experts[u, x // E]]
+        assert first_use[x] == (c.group[seen[0]] if seen else NEVER_GROUP)
+
+
+def test_splitmix64_is_one_generator():
+    """The reference values of splitmix64 (seed 0), and the compiled function gives the same."""
+    state, outputs = 0, []
+    for _ in range(3):
+        state, z = splitmix64(state)
+        outputs.append(z)
+    assert outputs == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    compiled = jit(splitmix64)
+    state = py_state = 2**64 - 12345
+    for _ in range(5):
+        state, z = compiled(np.uint64(state))
+        py_state, py_z = splitmix64(py_state)
+        assert (int(state), int(z)) == (py_state, py_z)
