@@ -1,0 +1,304 @@
+"""Capture: recorded routing equals what each architecture's own router computes, in both modes."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from traces.capture.capture import Rows, capture_windows, parse_logits_storage, run_capture  # noqa: E402
+from traces.capture.config import CaptureConfig, GenerateConfig, InputConfig, ModelConfig  # noqa: E402
+from traces.capture.hooks import RouterRecorder, router_returns_probabilities  # noqa: E402
+from traces.capture.routers import GROUPED_SIGMOID, LOGIT_TOPK, find_routers, routing_metadata  # noqa: E402
+from traces.capture.text import Window  # noqa: E402
+from traces.errors import EXIT_INPUT_ERROR, InputError  # noqa: E402
+from traces.format import PHASE_DECODE, PHASE_PREFILL  # noqa: E402
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+              max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+# tiny versions of each supported architecture; dense layers where the architecture has them
+TINY = {
+    "qwen3_moe": dict(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                      num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True),
+    "qwen2_moe": dict(num_hidden_layers=2, intermediate_size=48, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=3),
+    "olmoe": dict(num_hidden_layers=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2),
+    "mixtral": dict(num_hidden_layers=2, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2),
+    "deepseek_v3": dict(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, routed_scaling_factor=2.5, num_key_value_heads=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "gpt_oss": dict(num_hidden_layers=2, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=8),
+    "qwen3_next": dict(num_hidden_layers=4, intermediate_size=48, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2),
+}
+LAYER_IDS = {"qwen3_moe": [1, 2], "deepseek_v3": [1, 2]}
+_MODELS: dict = {}
+
+
+def tiny_config(arch: str):
+    return transformers.AutoConfig.for_model(arch, **{**COMMON, **TINY[arch]})
+
+
+def tiny_model(arch: str):
+    """A randomly initialised float32 model (built once per architecture)."""
+    if arch not in _MODELS:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+        for site in find_routers(model):
+            bias = getattr(site.module, "e_score_correction_bias", None)
+            if bias is not None:  # a selection bias that changes the choice and the rank order
+                bias.copy_(torch.rand_like(bias) * 0.2)
+        _MODELS[arch] = model
+    return _MODELS[arch]
+
+
+def windows(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Window(i, i % 2, rng.integers(0, VOCAB, n), "test") for i, n in enumerate(lengths)]
+
+
+def record(model, wins, **kw) -> Rows:
+    cfg = CaptureConfig(batch_size=kw.pop("batch_size", 8), **kw)
+    rows: list[Rows] = []
+    capture_windows(model, find_routers(model), wins, cfg, rows.append)
+    return Rows(**{f: (np.concatenate([getattr(r, f) for r in rows]) if getattr(rows[0], f) is not None
+                       else None) for f in rows[0].columns()})
+
+
+def router_inputs(model, token_ids):
+    """Run one unpadded sequence; return per MoE layer the hidden states its router received."""
+    sites = find_routers(model)
+    seen: dict[int, list] = {j: [] for j in range(len(sites))}
+    handles = [s.module.register_forward_pre_hook(lambda m, a, j=j: seen[j].append(a[0].detach()))
+               for j, s in enumerate(sites)]
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.as_tensor(token_ids)[None])
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(len(v) == 1 for v in seen.values())
+    return sites, [seen[j][0].reshape(-1, seen[j][0].shape[-1]) for j in range(len(sites))], out.logits[0]
+
+
+def reference_routing(site, x):
+    """The router's own output on x, and an independent computation of its rank-ordered choice."""
+    with torch.inference_mode():
+        logits, weights, ids = site.module(x)
+    logits = logits.reshape(-1, site.num_experts).float()
+    k, m = site.top_k, site.module
+    if site.family is LOGIT_TOPK:
+        val, ref_ids = torch.topk(logits, k, dim=-1)
+        ref_w = torch.softmax(val, dim=-1)
+    elif site.family is GROUPED_SIGMOID:
+        scores = logits.sigmoid()
+        choice = scores + m.e_score_correction_bias
+        groups = choice.view(-1, m.num_group, site.num_experts // m.num_group).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(m.topk_group, dim=-1)[1], 1)
+        keep = keep.repeat_interleave(site.num_experts // m.num_group, dim=1).bool()
+        ref_ids = choice.masked_fill(~keep, float("-inf")).topk(k, dim=-1)[1]  # sorted: rank order
+        ref_w = scores.gather(1, ref_ids)
+        if m.norm_topk_prob:
+            ref_w = ref_w / (ref_w.sum(-1, keepdim=True) + 1e-20)
+        ref_w = ref_w * m.routed_scaling_factor
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        ref_w, ref_ids = torch.topk(probs, k, dim=-1)
+        if getattr(m, "norm_topk_prob", True):
+            ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    # the router's own ids are the same set (the model's choice, whatever its order)
+    assert torch.equal(ids.reshape(-1, k).sort(-1)[0], ref_ids.sort(-1)[0])
+    return logits, ref_ids, ref_w
+
+
+def check_sequence(model, rows: Rows, seq: int) -> np.ndarray:
+    """Recorded rows of one sequence equal the model's routing of it run alone; returns the LM logits."""
+    sel = rows.seq == seq
+    tokens = rows.token_id[sel]
+    sites, xs, lm_logits = router_inputs(model, tokens)
+    for j, (site, x) in enumerate(zip(sites, xs, strict=True)):
+        logits, ids, w = reference_routing(site, x)
+        np.testing.assert_array_equal(rows.experts[sel][:, j], ids.numpy())
+        np.testing.assert_allclose(rows.weights[sel][:, j], w.numpy(), rtol=1e-5, atol=1e-6)
+        if rows.logits is not None:
+            np.testing.assert_allclose(rows.logits[sel][:, j], logits.numpy(), rtol=1e-3, atol=1e-3)
+    return lm_logits.float().numpy()
+
+
+def nll_of(lm_logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    lp = lm_logits - np.log(np.exp(lm_logits - lm_logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - lm_logits.max(-1, keepdims=True)
+    return np.r_[np.nan, -lp[np.arange(len(tokens) - 1), tokens[1:]]]
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_teacher_forced_records_the_models_routing(arch):
+    model = tiny_model(arch)
+    lengths = [9, 14, 3, 14, 6]
+    rows = record(model, windows(lengths), batch_size=3, prefill_tokens=4)
+    # no padding rows: exactly the real tokens, in (seq, pos) order
+    assert rows.num_tokens == sum(lengths)
+    np.testing.assert_array_equal(rows.seq, np.repeat(np.arange(5), lengths))
+    np.testing.assert_array_equal(rows.pos, np.concatenate([np.arange(n) for n in lengths]))
+    np.testing.assert_array_equal(rows.phase, np.where(rows.pos < 4, PHASE_PREFILL, PHASE_DECODE))
+    np.testing.assert_array_equal(rows.domain, rows.seq % 2)
+    for seq in range(5):
+        lm = check_sequence(model, rows, seq)
+        np.testing.assert_allclose(rows.nll[rows.seq == seq], nll_of(lm, rows.token_id[rows.seq == seq]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_generation_records_the_models_routing(arch):
+    model = tiny_model(arch)
+    gen = GenerateConfig(prompt_tokens=6, new_tokens=4)
+    rows = record(model, windows([10, 3, 7], seed=1), batch_size=3, mode="generate", generate=gen)
+    counts = [6 + 4, 3 + 4, 6 + 4]
+    assert rows.num_tokens == sum(counts)
+    np.testing.assert_array_equal(rows.seq, np.repeat(np.arange(3), counts))
+    for seq, n in enumerate(counts):
+        sel = rows.seq == seq
+        np.testing.assert_array_equal(rows.pos[sel], np.arange(n))
+        np.testing.assert_array_equal(rows.phase[sel], [PHASE_PREFILL] * (n - 4) + [PHASE_DECODE] * 4)
+        lm = check_sequence(model, rows, seq)  # KV-cache decode routes as a full forward would
+        tokens = rows.token_id[sel]
+        np.testing.assert_array_equal(tokens[n - 4:], lm[n - 5:n - 1].argmax(-1))  # greedy
+        np.testing.assert_allclose(rows.nll[sel], nll_of(lm, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_metadata_per_architecture():
+    meta = routing_metadata(tiny_model("deepseek_v3"), find_routers(tiny_model("deepseek_v3")))
+    assert meta["layer_ids"] == [1, 2] and meta["score_function"] == "sigmoid" and meta["renormalize"]
+    assert meta["extra"]["routed_scaling_factor"] == 2.5 and meta["extra"]["n_group"] == 4
+    assert meta["extra"]["shared_experts"] == 1 and meta["extra"]["selection_bias"]
+    assert meta["expert_bytes"] == [3 * 32 * 16 * 4] * 2  # gate, up, down of 32 x 16 in float32
+    qwen = routing_metadata(tiny_model("qwen3_moe"), find_routers(tiny_model("qwen3_moe")))
+    assert qwen["layer_ids"] == [1, 2] and qwen["extra"]["shared_experts"] == 0
+    q2 = routing_metadata(tiny_model("qwen2_moe"), find_routers(tiny_model("qwen2_moe")))
+    assert not q2["renormalize"] and q2["extra"]["shared_expert_gate"] == "sigmoid"
+    assert q2["extra"]["shared_expert_bytes"] == [3 * 32 * 24 * 4] * 2
+    oss = routing_metadata(tiny_model("gpt_oss"), find_routers(tiny_model("gpt_oss")))
+    assert oss["renormalize"] and oss["expert_bytes"][0] == (3 * 32 * 16 + 2 * 16 + 32) * 4
+
+
+def test_hook_must_fire_once_per_forward():
+    model = tiny_model("olmoe")
+    sites = find_routers(model)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with torch.inference_mode(), RouterRecorder(sites) as rec:
+        model(input_ids=ids)
+        model(input_ids=ids)
+        with pytest.raises(RuntimeError, match="exactly once"):
+            rec.collect(4)
+        model(input_ids=ids)
+        assert rec.collect(4).experts.shape == (4, 2, 2)
+
+
+def test_router_returning_probabilities_is_recorded_as_log_probabilities():
+    """Some transformers releases return the softmax as 'router_logits'; the trace keeps logits."""
+    model = tiny_model("mixtral")
+    sites = find_routers(model)
+    assert not router_returns_probabilities(model, sites)
+    true_logits = []
+    originals = [s.module.forward for s in sites]
+
+    def as_probs(forward):
+        def wrapped(x):
+            logits, weights, ids = forward(x)
+            true_logits.append(logits.detach())
+            return torch.softmax(logits.float(), dim=-1), weights, ids
+        return wrapped
+
+    try:
+        for s in sites:
+            s.module.forward = as_probs(s.module.forward)
+        probs = router_returns_probabilities(model, sites)
+        assert probs
+        true_logits.clear()
+        rows: list[Rows] = []
+        capture_windows(model, sites, windows([5]), CaptureConfig(), rows.append, logits_are_probs=probs)
+    finally:
+        for s, f in zip(sites, originals, strict=True):
+            s.module.forward = f
+    expected = torch.log_softmax(torch.stack(true_logits, 1).float(), dim=-1).numpy()
+    np.testing.assert_allclose(rows[0].logits, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_logits_storage_values():
+    assert parse_logits_storage("full") == ("full", None)
+    assert parse_logits_storage("top:8") == ("top", 8)
+    for bad in ("top:0", "top:x", "all"):
+        with pytest.raises(InputError):
+            parse_logits_storage(bad)
+
+
+def test_dense_model_is_refused():
+    config = transformers.AutoConfig.for_model("qwen3", **COMMON, num_hidden_layers=1, intermediate_size=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(InputError, match="no MoE router"):
+        find_routers(model)
+
+
+def _tiny_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0} | {chr(c): i + 1 for i, c in enumerate(range(32, 32 + VOCAB - 1))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+
+
+def test_run_capture_writes_a_trace_and_refuses_to_overwrite(tmp_path):
+    from traces.format import open_trace
+
+    tiny_config("qwen3_moe").save_pretrained(tmp_path / "m")
+    _tiny_tokenizer(tmp_path / "m")
+    (tmp_path / "text" / "prose").mkdir(parents=True)
+    (tmp_path / "text" / "prose" / "a.txt").write_text("the quick brown fox " * 10)
+    (tmp_path / "more.jsonl").write_text(json.dumps({"text": "def f(x): return x\n" * 5, "domain": "code"}))
+    cfg = CaptureConfig(
+        model=ModelConfig(config=str(tmp_path / "m" / "config.json"), dtype="float32", device="cpu"),
+        input=InputConfig(paths=[str(tmp_path / "text"), str(tmp_path / "more.jsonl")], window_tokens=64, min_window_tokens=2),
+        out=str(tmp_path / "t.parquet"), batch_size=2, progress=False,
+    )
+    stats = run_capture(cfg)
+    assert stats["tokens"] == 200 + 95 and stats["layers"] == 2
+    trace = open_trace(cfg.out)
+    assert trace.meta.layer_ids == [1, 2] and trace.meta.domains == ["prose", "code"]
+    assert trace.meta.has_logits and trace.meta.source == "capture"
+    chunk = next(iter(trace.iter_chunks()))
+    assert chunk.num_tokens == 295 and set(np.unique(chunk.domain)) == {0, 1}
+    with pytest.raises(InputError, match="force=true"):
+        run_capture(cfg)
+    cfg.force, cfg.logits = True, "none"
+    run_capture(cfg)
+    assert not open_trace(cfg.out).meta.has_logits
+
+
+def test_app_refuses_a_dense_model_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from traces.capture import app
+
+    config = transformers.AutoConfig.for_model("qwen3", **COMMON, num_hidden_layers=1, intermediate_size=16)
+    config.save_pretrained(tmp_path)
+    (tmp_path / "x.txt").write_text("some text")
+    monkeypatch.setattr(sys, "argv", [
+        "moe-capture", f"model.config={tmp_path / 'config.json'}", f"input.paths=[{tmp_path / 'x.txt'}]",
+        f"out={tmp_path / 'o.parquet'}", f"hydra.run.dir={tmp_path / 'run'}",
+    ])
+    with pytest.raises(SystemExit) as exc:
+        app.main()
+    assert exc.value.code == EXIT_INPUT_ERROR
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "no MoE router" in lines[0]
+    assert not (tmp_path / "o.parquet").exists()

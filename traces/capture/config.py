@@ -1,0 +1,53 @@
+"""Structured config of the moe-capture app: every field with its help text.
+
+Plain dataclasses, so the capture runs without Hydra (``traces.capture.capture.run_capture``
+takes a :class:`CaptureConfig`); ``traces.capture.app`` registers them with Hydra.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # local Hugging Face checkpoint directory (config, weights, tokenizer)
+    config: str | None = None  # or: a config.json to build a randomly initialised model from
+    tokenizer: str | None = None  # tokenizer directory; null = model.path (or the config's folder)
+    name: str | None = None  # model name written to the trace; null = the folder name
+    dtype: str = "auto"  # auto (checkpoint dtype; bfloat16 for model.config) | bfloat16 | float16 | float32
+    device: str = "auto"  # auto (cuda when available) | cuda | cuda:N | cpu
+    seed: int = 0  # seed of the random initialisation (model.config) and of sampling
+    attn_implementation: str | None = None  # null = the transformers default (sdpa)
+
+
+@dataclass
+class InputConfig:
+    paths: list[str] = field(default_factory=list)  # files, folders (recursive) and .jsonl files
+    text_field: str = "text"  # JSONL: field holding the text
+    domain_field: str = "domain"  # JSONL: field holding the domain label
+    domain: str | None = None  # domain of plain files; null = the folder they were found under
+    window_tokens: int = 512  # tokens per window (one trace sequence), BOS included
+    min_window_tokens: int = 16  # drop shorter document tails
+    max_tokens: int | None = None  # stop after this many input tokens; null = all
+    add_bos: bool = True  # start every window with the tokenizer's BOS token, if it has one
+
+
+@dataclass
+class GenerateConfig:
+    prompt_tokens: int = 64  # mode=generate: tokens of each window used as the prompt (prefill)
+    new_tokens: int = 64  # mode=generate: decode steps per sequence (each fed token is recorded)
+    temperature: float = 0.0  # 0 = greedy; else sample from softmax(logits / temperature)
+
+
+@dataclass
+class CaptureConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    input: InputConfig = field(default_factory=InputConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    out: str = "outputs/capture.parquet"  # trace file to write
+    force: bool = False  # overwrite an existing trace file
+    mode: str = "teacher_forced"  # teacher_forced (windows, batched) | generate (KV-cache decode)
+    logits: str = "full"  # router logits stored: full | top:R (R highest, with ids) | none
+    batch_size: int = 16  # windows per forward (teacher_forced) or sequences decoded together
+    prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
+    progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal
