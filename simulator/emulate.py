@@ -90,11 +90,12 @@ class Strategy:
 
 
 def default_strategies(fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list[Strategy]:
-    """fetch_all once (its outputs do not depend on the fraction), then per fraction: the paper's
-    strategies, both threshold sweeps, the beta sweep, and the two policies without admission."""
-    out = [Strategy("fetch_all", 0.25, ("policy=fetch_all",))]
+    """Per fraction: the paper's strategies, both threshold sweeps, the beta sweep, and the two
+    policies without admission. fetch_all runs the same experts at every fraction; its rows
+    after the first show whether a row's numbers depend on what the other rows do."""
+    out = []
     for f in fractions:
-        for preset in ("substitute_all", "rule015", "first_choice", "quality_first", "speed_first"):
+        for preset in ("fetch_all", "substitute_all", "rule015", "first_choice", "quality_first", "speed_first"):
             out.append(Strategy(preset, f, (f"policy={preset}",)))
         for tau in TAUS_PROTECTED:
             out.append(Strategy(f"tau{tau:g}_r1", f, ("policy=rule015", f"policy.tau={tau}")))

@@ -279,7 +279,7 @@ def test_command_line_and_quality_report(tmp_path):
           "--max-tokens", "96", "--window-tokens", "24", "--streams", "2", "--fractions", "0.25",
           "--out", str(out)])
     info = json.loads((out / "emulation.json").read_text())
-    assert info["tokens"] == 96 and len(info["strategies"]) == 23
+    assert info["tokens"] == 96 and len(info["strategies"]) == 23 and info["strategies"][0]["name"] == "fetch_all"
     assert all(c["mass_equal"] and c["counts_equal"] for c in info["checks"])
     run = quality.load(out)
     rows = quality.strategy_table(run)
