@@ -500,6 +500,11 @@ class Tokens:
         w = self.window_tokens
         return [slice(a, a + w) for a in range(0, len(self), w)]
 
+    def first_steps(self, steps: int) -> tuple[Tokens, np.ndarray]:
+        """The first ``steps`` tokens of every stream (whole windows), and their indices here."""
+        keep = np.concatenate([np.arange(a, a + steps) for a, _ in self.spans()])
+        return Tokens(self.token_id[keep], self.domain[keep], self.window_tokens, self.streams), keep
+
     def spans(self) -> np.ndarray:
         """int64[streams, 2]: the token range of each stream."""
         n = len(self) // self.streams
@@ -533,6 +538,11 @@ class Recorder:
         self.codes = np.full((R, T, L, k), NOT_DECIDED, np.int8)
         self.subs = np.full((R, T, L, k), -1, np.int16)
         self.mass = np.zeros((R, T, L))
+
+    def take(self, keep: np.ndarray) -> None:
+        """Keep only the tokens ``keep``."""
+        for name, value in vars(self).items():
+            setattr(self, name, value[:, keep])
 
 
 class ClosedLoop:
@@ -582,12 +592,15 @@ class ClosedLoop:
 @torch.inference_mode()
 def run_closed_loop(model, sites, tokens: Tokens, pool: DecisionPool, lanes: Lanes, warmup: np.ndarray,
                     num_strategies: int, observe: Callable[[int, torch.Tensor], None] | None = None,
-                    progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, Recorder]:
+                    progress: Callable[[int], None] | None = None,
+                    deadline: float | None = None) -> tuple[np.ndarray, Recorder, int]:
     """Feed every stream one token at a time to all lanes, each lane with its own KV cache.
 
-    Returns the NLL float32[strategies, T] (NaN at a window's first token: nothing predicts it)
-    and the recorded routing and decisions. ``observe(u, logits)`` sees each step's LM logits
-    [lanes, V]; ``progress(tokens done)`` is called after each step.
+    Returns the NLL float32[strategies, T] (NaN at a window's first token: nothing predicts it),
+    the recorded routing and decisions, and the steps done: all of them, or fewer when the
+    ``deadline`` (a ``time.perf_counter()`` value) passed, checked before each new window.
+    ``observe(u, logits)`` sees each step's LM logits [lanes, V]; ``progress(tokens done)`` is
+    called after each step.
     """
     from traces.capture.capture import _cache_argument, _returned_cache
 
@@ -601,8 +614,12 @@ def run_closed_loop(model, sites, tokens: Tokens, pool: DecisionPool, lanes: Lan
     cache_argument = _cache_argument(model)
     steps = len(tokens) // tokens.streams
     out = None
+    done = steps
     with routed(sites, loop):
         for u in range(steps):
+            if u and tokens.pos[u] == 0 and deadline is not None and time.perf_counter() > deadline:
+                done = u
+                break
             loop.next_token()
             t = start + u
             # every lane starts a window (a fresh KV cache) at the same step
@@ -615,7 +632,7 @@ def run_closed_loop(model, sites, tokens: Tokens, pool: DecisionPool, lanes: Lan
                     out.logits[:, -1].float(), ids[t + 1], reduction="none")
             if progress is not None:
                 progress((u + 1) * tokens.streams)
-    return nll.cpu().numpy(), loop.rec
+    return nll.cpu().numpy(), loop.rec, done
 
 
 # ---- open loop ---------------------------------------------------------------------------
@@ -708,8 +725,13 @@ def lane_records(rec: Recorder, r: int, span: slice, tokens: Tokens, nll: np.nda
 
 def emulate(model, sites, meta: TraceMeta, tokens: Tokens, strategies: Sequence[Strategy], *,
             workers: int = 0, check: bool = True, open_loop: bool = True, engine: str = "reference",
-            trace_dir: Path | None = None, observe=None, log: Callable[[str], None] | None = None) -> Emulation:
-    """Run ``strategies`` side by side over ``tokens`` (see the module docstring)."""
+            trace_dir: Path | None = None, observe=None, max_seconds: float | None = None,
+            log: Callable[[str], None] | None = None) -> Emulation:
+    """Run ``strategies`` side by side over ``tokens`` (see the module docstring).
+
+    ``max_seconds`` bounds the closed loop: past it, no new window starts, and the run goes on
+    with the windows every stream finished.
+    """
     log = log or (lambda s: None)
     strategies = list(strategies)
     R = len(strategies)
@@ -727,8 +749,15 @@ def emulate(model, sites, meta: TraceMeta, tokens: Tokens, strategies: Sequence[
             if done % every < tokens.streams or done == len(tokens):
                 log(f"closed loop: {done}/{len(tokens)} tokens, {done / (time.perf_counter() - t0):.1f} tokens/s")
 
-        nll, rec = run_closed_loop(model, sites, tokens, pool, lanes, warmup, R, observe, progress)
+        deadline = None if max_seconds is None else t0 + max_seconds
+        nll, rec, done = run_closed_loop(model, sites, tokens, pool, lanes, warmup, R, observe, progress, deadline)
         seconds["closed_loop"] = time.perf_counter() - t0
+        if done < len(tokens) // tokens.streams:
+            log(f"closed loop: stopped after {done} tokens per stream (--max-seconds {max_seconds:g})")
+            tokens, keep = tokens.first_steps(done)
+            nll = nll[:, keep]
+            rec.take(keep)
+            lanes = Lanes.of(R, tokens)
         em = Emulation(strategies, params, meta, tokens, nll, rec, seconds=seconds)
         spans = [slice(int(a), int(b)) for a, b in zip(lanes.start, lanes.stop, strict=True)]
         if check:
@@ -920,6 +949,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype) | bfloat16 | float32 ...")
     p.add_argument("--experts-implementation", help="transformers expert kernels: eager | batched_mm | grouped_mm")
     p.add_argument("--workers", type=int, default=0, help="processes running the simulators (0: this one)")
+    p.add_argument("--max-seconds", type=float, help="closed-loop time limit: past it no new window starts, "
+                   "and the run goes on with the windows done")
     p.add_argument("--no-check", action="store_true", help="skip replaying each strategy's trace in moe-sim's engine")
     p.add_argument("--no-open-loop", action="store_true", help="skip the open-loop comparison")
     p.add_argument("--traces", action="store_true", help="keep each strategy's traces under OUT/traces/")
@@ -963,7 +994,8 @@ def run_cli(args, argv: list[str]) -> None:
         f"tokens ({len(tokens.windows())} windows, {tokens.streams} streams); {len(strategies)} strategies on {device}")
     out = Path(args.out)
     em = emulate(model, sites, meta, tokens, strategies, workers=args.workers, check=not args.no_check,
-                 open_loop=not args.no_open_loop, trace_dir=out / "traces" if args.traces else None, log=log)
+                 open_loop=not args.no_open_loop, trace_dir=out / "traces" if args.traces else None,
+                 max_seconds=args.max_seconds, log=log)
     info = {
         "command": "moe-emulate " + " ".join(argv),
         "model": name,

@@ -329,3 +329,17 @@ def test_text_from_a_captured_trace(tmp_path):
     tokens = Tokens.from_documents(docs, domains, window_tokens=4, separator=0)
     assert tokens.token_id.tolist() == [5, 6, 7, 8, 9, 0, 3, 4]
     assert tokens.domain.tolist() == [0] * 6 + [1] * 2
+
+
+def test_time_limit_keeps_the_windows_every_stream_finished():
+    model, sites, meta = setup("qwen3_moe")
+    tokens = tiny_tokens(windows=3)
+    strategies = [Strategy("fetch_all", 0.25, ("policy=fetch_all",)),
+                  Strategy("rule015", 0.25, ("policy=rule015",))]
+    em = emulate(model, sites, meta, tokens, strategies, max_seconds=0.0)
+    assert len(em.tokens) == tokens.streams * tokens.window_tokens
+    assert em.rec.codes.shape[1] == em.nll.shape[1] == em.open_nll.shape[1] == len(em.tokens)
+    assert all(c["mass_equal"] for c in check_summary(em, summary_arrays(em)))
+    first = tokens.first_steps(tokens.window_tokens)[1]
+    full = emulate(model, sites, meta, tokens, strategies, check=False, open_loop=False)
+    np.testing.assert_array_equal(em.nll, full.nll[:, first])
