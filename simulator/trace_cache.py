@@ -88,11 +88,6 @@ class CachedTrace:
     def num_tokens(self) -> int:
         return self._source.num_tokens
 
-    @property
-    def chunk(self) -> TraceChunk:
-        """The whole trace as one chunk of memory-mapped arrays."""
-        return self._source.chunk
-
     def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
         """Chunks of whole groups in trace order (default size as the Parquet reader's)."""
         return self._release_after(self._source.iter_chunks(self._size(max_tokens)))
