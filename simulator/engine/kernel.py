@@ -677,6 +677,16 @@ def _warm_insert(fill, p, ev, expert_bytes, num_experts, resident, layer_res, la
 
 # ---- the Python wrapper ------------------------------------------------------------------
 
+
+def kernel_array(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as a C-contiguous, writable array of ``dtype`` (copied only if it is not one).
+
+    Numba compiles a separate specialisation for read-only arrays (a memory map, an Arrow
+    buffer); a copy of one chunk costs far less than compiling the kernel again.
+    """
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return a if a.flags.writeable else a.copy()
+
 _TOKEN_FIELDS = (
     "time_us", "stall_us", "mass", "hits", "fetches", "substitutions", "cpu_calls",
 )
@@ -788,12 +798,12 @@ class KernelSimulator:
         }
         logits = self._no_logits if chunk.logits.shape[0] == 0 else chunk.logits
         run_chunk(
-            np.ascontiguousarray(chunk.experts, dtype=np.int32),
-            np.ascontiguousarray(chunk.gates, dtype=np.float32),
-            np.ascontiguousarray(logits, dtype=np.float32),
-            np.ascontiguousarray(chunk.group, dtype=np.int64),
-            np.ascontiguousarray(chunk.phase, dtype=np.int8),
-            self._no_next_use if next_use is None else np.ascontiguousarray(next_use, np.int32),
+            kernel_array(chunk.experts, np.int32),
+            kernel_array(chunk.gates, np.float32),
+            kernel_array(logits, np.float32),
+            kernel_array(chunk.group, np.int64),
+            kernel_array(chunk.phase, np.int8),
+            self._no_next_use if next_use is None else kernel_array(next_use, np.int32),
             *self._constants,
             *self._state(),
             *(out[name] for name in _TOKEN_FIELDS),

@@ -11,6 +11,7 @@ import tempfile
 
 import numpy as np
 
+from simulator.engine.kernel import kernel_array
 from simulator.jit import jit
 from simulator.policies.eviction import NEVER_GROUP
 from traces.format import TraceChunk, slice_chunk
@@ -77,8 +78,8 @@ class NextUseFile:
                     continue
                 out = np.empty((chunk.num_tokens, L, K), np.int32)
                 next_use_backward(
-                    np.ascontiguousarray(chunk.experts, dtype=np.int32),
-                    np.ascontiguousarray(chunk.group, dtype=np.int64),
+                    kernel_array(chunk.experts, np.int32),
+                    kernel_array(chunk.group, np.int64),
                     last_seen,
                     out,
                 )
@@ -91,7 +92,7 @@ class NextUseFile:
     def rows(self, start: int, stop: int) -> np.ndarray:
         """int32[stop - start, L, k] rows of simulated tokens [start, stop), in trace order."""
         n = self.num_tokens
-        return np.ascontiguousarray(self._rows[n - stop : n - start][::-1])
+        return np.array(self._rows[n - stop : n - start][::-1])  # a copy, in trace order
 
     def close(self) -> None:
         self._rows = None  # release the mapping before the file goes
