@@ -12,6 +12,7 @@ from simulator.bench import (
     write_oracle_general,
 )
 from simulator.engine import simulate
+from simulator.mrc import mrc
 from simulator.run import build_params, compose
 from traces.format import ArraySource, TraceMeta, make_chunk
 
@@ -39,6 +40,18 @@ def test_request_stream_misses_match_libcachesim(eviction, capacity, tiny_trace,
     write_oracle_general(keys, path)
     theirs, _ = libcachesim_misses(path, eviction, capacity, keys.shape[0])
     assert misses(stream_source(keys, EXPERT_BYTES), eviction, capacity) == theirs
+
+
+def test_request_stream_lru_curve_matches_libcachesim_at_every_capacity(tiny_trace, tmp_path):
+    trace = tiny_trace(tokens=300, layers=3, experts=16, top_k=4, prompt_share=0.0,
+                       logits="none", expert_bytes=EXPERT_BYTES)
+    keys = request_stream(trace)
+    path = tmp_path / "stream.oracleGeneral.bin"
+    write_oracle_general(keys, path)
+    curve = mrc(stream_source(keys, EXPERT_BYTES), "global")
+    for capacity in (1, 2, 5, 13, 30, 48):
+        theirs, _ = libcachesim_misses(path, "lru", capacity, keys.shape[0])
+        assert keys.shape[0] - int(curve.decode_hits[capacity]) == theirs, capacity
 
 
 def test_token_layer_steps_keep_the_pool_through_the_step(tmp_path):
