@@ -320,11 +320,25 @@ def make_view(sweep: Sweep) -> View:
     """Label successful runs by strategy and find the settings the sweep varies."""
     ok = sweep.table.filter(pl.col("status") == OK)
     strategy_cols = strategy_columns(sweep, ok)
-    setting_cols = tuple(c for c in sweep.config_columns
-                         if c not in strategy_cols and ok[c].n_unique() > 1)
+    setting_cols = _named_settings(ok, [c for c in sweep.config_columns
+                                        if c not in strategy_cols and ok[c].n_unique() > 1])
     labelled = with_strategy(sweep.table, strategy_cols)
     ok = labelled.filter(pl.col("status") == OK)
     return View(labelled, ok, strategy_cols, setting_cols, _reference(ok, setting_cols))
+
+
+def _named_settings(ok: pl.DataFrame, columns: list[str]) -> tuple[str, ...]:
+    """Varying settings, with a group's fields folded into its name: when ``hardware.name``
+    varies, ``hardware.pcie.bandwidth_gbps`` (one value per name) is not a setting of its own."""
+    kept = []
+    for column in columns:
+        name = column.split(".", 1)[0] + ".name"
+        if name != column and name in columns:
+            per_name = ok.group_by(name).agg(pl.col(column).n_unique().alias("n"))
+            if per_name["n"].max() == 1:
+                continue
+        kept.append(column)
+    return tuple(kept)
 
 
 def strategy_columns(sweep: Sweep, ok: pl.DataFrame) -> tuple[str, ...]:
