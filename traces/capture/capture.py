@@ -401,6 +401,8 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
         "capture": {
             "mode": cfg.mode,
             "window_tokens": cfg.input.window_tokens,
+            "min_window_tokens": cfg.input.min_window_tokens,
+            "add_bos": cfg.input.add_bos,
             "batch_size": cfg.batch_size,
             "prefill_tokens": cfg.prefill_tokens,
             "generate": asdict(cfg.generate) if cfg.mode == "generate" else None,
