@@ -374,3 +374,39 @@ def test_plan_from_a_stream_of_pieces_equals_the_plan_from_one():
         sizes = whole[:, 1] - whole[:, 0]
         one_group = np.searchsorted(starts, whole[:, 1], side="left") - group_of == 1
         assert ((sizes <= max_tokens) | one_group).all()
+
+
+def test_repack_is_lossless_by_default_and_rounds_logits_to_a_quantum(tiny_trace, tmp_path):
+    from traces.format import repack_trace
+
+    src = tiny_trace(tokens=200, experts=32)
+    path, exact, rounded = tmp_path / "a.parquet", tmp_path / "b.parquet", tmp_path / "c.parquet"
+    write_trace(path, src.meta, src.chunk)
+    repack_trace(path, exact, model_name="renamed")
+    m0, c0 = read_trace(path)
+    m1, c1 = read_trace(exact)
+    assert m1.model == "renamed" and "logits_quantum" not in m1.extra
+    for name in ("experts", "gates", "logits", "seq", "pos", "phase"):
+        np.testing.assert_array_equal(getattr(c0, name), getattr(c1, name))
+    q = 1 / 32
+    repack_trace(path, rounded, logits_quantum=q)
+    m2, c2 = read_trace(rounded)
+    assert m2.extra["logits_quantum"] == q
+    np.testing.assert_array_equal(c0.experts, c2.experts)
+    np.testing.assert_array_equal(c0.gates, c2.gates)
+    err = np.abs(c2.logits - c0.logits)
+    assert err.max() <= q / 2 + 1e-2 and err.max() > 0  # rounded (plus float16 spacing), not exact
+    assert np.allclose(c2.logits / q, np.round(c2.logits / q), atol=0.05)
+
+
+def test_repack_refuses_a_bad_quantum_and_writes_nothing(tiny_trace, tmp_path):
+    from traces.format import repack_trace
+
+    src = tiny_trace()
+    path = tmp_path / "a.parquet"
+    write_trace(path, src.meta, src.chunk)
+    with pytest.raises(InputError, match="logits-quantum"):
+        repack_trace(path, tmp_path / "out.parquet", logits_quantum=2.0)
+    assert not (tmp_path / "out.parquet").exists()
+    assert main(["repack", str(path), str(tmp_path / "out.parquet"), "--logits-quantum", "3"]) == 2
+    assert not (tmp_path / "out.parquet").exists()

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from traces.errors import EXIT_INPUT_ERROR, InputError
-from traces.format import PHASE_DECODE, PHASE_PREFILL, ArraySource, open_trace
+from traces.format import PHASE_DECODE, PHASE_PREFILL, ArraySource, open_trace, repack_trace
 from traces.importers.route_csv import import_route_csv, is_route_csv, load_route_csv
 from traces.synth import SynthSpec, write_synth_trace
 
@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     _force(route)
     route.set_defaults(command=_import_route_csv)
 
+    repack = commands.add_parser("repack", help="rewrite a trace (smaller encoding, optional logit rounding)")
+    repack.add_argument("src", metavar="IN", help="trace file")
+    repack.add_argument("out", metavar="OUT", help="trace file to write (.parquet)")
+    repack.add_argument("--logits-quantum", type=_fraction, default=None, metavar="Q",
+                        help="round router logits to multiples of Q, e.g. 1/32 (lossy; recorded "
+                             "in the metadata); default: keep them exact")
+    repack.add_argument("--model-name", default=None, help="set the model name recorded in the metadata")
+    _force(repack)
+    repack.set_defaults(command=_repack)
+
     info = commands.add_parser("info", help="metadata and summary statistics of a trace")
     info.add_argument("path", metavar="PATH", help="trace file, or a route_trace v1 CSV")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -92,6 +102,21 @@ def _synth(args: argparse.Namespace) -> None:
 def _import_route_csv(args: argparse.Namespace) -> None:
     _check_out(args.out, args.force)
     import_route_csv(args.src, args.out, progress=_progress())
+
+
+def _fraction(text: str) -> float:
+    """A number or a fraction such as 1/32."""
+    try:
+        num, _, den = text.partition("/")
+        return float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"not a number or fraction: {text!r}") from None
+
+
+def _repack(args: argparse.Namespace) -> None:
+    _check_out(args.out, args.force)
+    repack_trace(args.src, args.out, logits_quantum=args.logits_quantum, model_name=args.model_name,
+                 progress=_progress())
 
 
 def _info(args: argparse.Namespace) -> None:
@@ -145,6 +170,7 @@ def summarize(source, path: str = "") -> dict:
         "top_k": meta.top_k,
         "has_logits": meta.has_logits,
         "has_residency": meta.has_residency,
+        "logits_quantum": meta.extra.get("logits_quantum"),
         "expert_bytes": {"min": min(meta.expert_bytes), "max": max(meta.expert_bytes),
                          "total": int(sum(meta.expert_bytes)) * num_experts},
         "tokens": tokens,
@@ -178,6 +204,8 @@ def format_summary(s: dict) -> str:
                    f"batches, {s['decode_tokens']:,} decode; {s['sequences']:,} sequences"),
         ("domains", ", ".join(f"{name} {n:,}" for name, n in s["domains"].items()) or "-"),
     ]
+    if s.get("logits_quantum"):
+        lines.insert(3, ("logits", f"rounded to multiples of {s['logits_quantum']:g} (lossy repack)"))
     share = s["top_experts_call_share"]
     if share:
         lines.append(("popularity", f"the top {s['top_experts']} experts of a layer (10 %) take "
