@@ -586,7 +586,7 @@ def parquet_options(schema: pa.Schema) -> dict:
     floats = [name for name, t in leaves if pa.types.is_floating(t)]
     others = [name for name, t in leaves if not pa.types.is_floating(t)]
     # dictionary encoding would take precedence over byte-stream-split: integers only
-    return {"compression": "zstd", "compression_level": 9, "use_dictionary": others,
+    return {"compression": "zstd", "use_dictionary": others,
             "use_byte_stream_split": floats}
 
 
