@@ -25,11 +25,13 @@ env-capture: env
 	$(PY) -m pip install -q '$(TORCH)'
 	$(PY) -m pip install -q -e '.[capture]'
 
-# The headline comparison on the bundled trace: five strategies at 25 % resident.
+# The headline comparison on the bundled trace, scaled to Qwen3-Next-80B-A3B expert sizes on the
+# measured H200 profile: five strategies at 25 % resident.
+DEMO_ARGS ?= model=qwen3_next_80b_a3b hardware=h200_measured
 demo: env
 	@test -f $(DEMO_TRACE) || $(BIN)/moe-trace synth $(DEMO_TRACE) --tokens 4000 --layers 16 --experts 128 --top-k 8 --seed 0 --logits full
 	rm -rf $(DEMO_DIR)
-	$(BIN)/moe-sim -m trace.path=$(DEMO_TRACE) policy=$(POLICIES) cache.fraction=0.25 hydra.sweep.dir=$(DEMO_DIR)
+	$(BIN)/moe-sim -m trace.path=$(DEMO_TRACE) $(DEMO_ARGS) policy=$(POLICIES) cache.fraction=0.25 hydra.sweep.dir=$(DEMO_DIR)
 	$(BIN)/moe-report $(DEMO_DIR) --table
 
 # The paper's comparison on the bundled trace at Qwen3-Next-80B-A3B expert sizes, on the
