@@ -36,13 +36,13 @@ demo: env
 
 # The paper's comparison on the bundled trace at Qwen3-Next-80B-A3B expert sizes, on the
 # datasheet RTX 3090 profile and the measured H200 profile: six strategies at 25 % resident,
-# then background admission's beta (0.25 / 0.5 / 1.0); each sweep ends with its report.
+# then background admission off and at beta 0.25 / 0.5 / 1.0; each sweep ends with its report.
 PAPER_DIR ?= runs/paper
 PAPER_ARGS = trace.path=$(DEMO_TRACE) model=qwen3_next_80b_a3b hardware=rtx3090_pcie4,h200_measured cache.fraction=0.25
 paper: env
 	rm -rf $(PAPER_DIR)
 	$(BIN)/moe-sim -m $(PAPER_ARGS) policy=$(POLICIES),cpu_offload hydra.sweep.dir=$(PAPER_DIR)/strategies
-	$(BIN)/moe-sim -m $(PAPER_ARGS) policy=fetch_all,quality_first,speed_first admission.beta=0.25,0.5,1.0 \
+	$(BIN)/moe-sim -m $(PAPER_ARGS) policy=fetch_all,quality_first,speed_first admission.beta=null,0.25,0.5,1.0 \
 	  hydra.sweep.dir=$(PAPER_DIR)/beta
 	$(BIN)/moe-report $(PAPER_DIR)/beta
 	$(BIN)/moe-report $(PAPER_DIR)/strategies --table
