@@ -122,6 +122,13 @@ def per_layer_table(r: SimResult) -> pa.Table:
     )
 
 
+def _file_mode() -> int:
+    """The mode a plainly created file gets (mkstemp would leave 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write a file so that readers see either the old file, nothing, or the whole new one."""
     path = Path(path)
@@ -129,6 +136,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -141,6 +149,7 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
