@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from simulator.engine import simulate
 from simulator.engine.many import simulate_many
-from simulator.run import build_params, compose
+from simulator.run import LimitedSource, build_params, compose
 from traces.format import open_trace, write_trace
 
 CONFIGS = [
@@ -56,6 +56,8 @@ def test_a_parquet_trace_is_decoded_once_into_the_cache(tiny_trace, tmp_path, mo
     params = params_list(source.meta)[:3]
     with open_trace(path) as reader:
         many = simulate_many(reader, params, workers=2)
+        first = simulate_many(LimitedSource(reader, 50), params, workers=2)
     assert len(list((tmp_path / "cache" / "traces").glob("[0-9a-f]*"))) == 1
-    for p, r in zip(params, many, strict=True):
+    for p, r, f in zip(params, many, first, strict=True):
         assert_same(r, simulate(source, p))
+        assert_same(f, simulate(LimitedSource(source, 50), p))

@@ -25,7 +25,12 @@ def default_workers() -> int:
 
 
 def decoded(source):
-    """``source`` itself if its chunks come from memory; a Parquet reader's trace cache copy."""
+    """``source`` itself if its chunks come from memory; a Parquet reader's trace cache copy
+    (one decode, and no Parquet file shared between threads)."""
+    from simulator.run import LimitedSource
+
+    if isinstance(source, LimitedSource):
+        return LimitedSource(decoded(source.source), source.max_tokens)
     path = getattr(source, "path", None)
     if path is None:
         return source
