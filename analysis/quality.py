@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-BEGIN = "<!-- BEGIN GENERATED: python -m analysis.quality -->"
-END = "<!-- END GENERATED -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m analysis.quality{} -->"
+END = "<!-- END GENERATED{} -->"
 MAIN_POLICIES = ("substitute_all", "rule015", "first_choice", "quality_first", "speed_first")
 # admission on/off pairs: (with background admission, the same policy without it)
 ADMISSION_PAIRS = (
@@ -115,6 +115,16 @@ def pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     den = np.sqrt((x * x).sum(-1) * (y * y).sum(-1))
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(den > 0, (x * y).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
+
+
+def slope(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least-squares slope of y on x along the last axis."""
+    x = x - x.mean(-1, keepdims=True)
+    return (x * (y - y.mean(-1, keepdims=True))).sum(-1) / (x * x).sum(-1)
+
+
+def ranks(x: np.ndarray) -> np.ndarray:
+    return np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)
 
 
 def resample_weights(n: int, n_boot: int, seed: int) -> np.ndarray:
@@ -225,6 +235,9 @@ def mass_hypothesis_across_strategies(run: Run, rows: list[dict], block_tokens: 
         r = float(pearson(mass[idx], inc[idx]))
         lo, hi = ci(pearson(mass_b[:, idx], inc_b[:, idx]))
         out.append({"set": title, "strategies": len(idx), "r": r, "ci_low": lo, "ci_high": hi,
+                    "spearman": float(pearson(ranks(mass[idx]), ranks(inc[idx]))),
+                    "slope": float(slope(mass[idx], inc[idx])),
+                    "slope_ci": ci(slope(mass_b[:, idx], inc_b[:, idx])),
                     "blocks": int(blocks.n.shape[0]), "block_tokens": block_tokens})
     return out
 
@@ -368,24 +381,34 @@ def report(run: Run, block_tokens: int = 128, after_tokens: int = 64, n_boot: in
     checks = info.get("checks") or []
     equal = sum(c["mass_equal"] and c["counts_equal"] for c in checks)
     refs = [i for i, name in enumerate(run.names) if name == "fetch_all"]
-    nll = run.arrays["nll"][refs][:, ok]
-    spread = float(np.abs(nll - nll[0]).max()) if len(refs) > 1 else math.nan
+    diff = np.abs(run.arrays["nll"][refs][:, ok] - run.arrays["nll"][refs[0], ok])
+    warm = {s["warmup_tokens"] for s in info["strategies"] if s["warmup_tokens"]}
     meta = info["meta"]
     out = [
         f"Run: `{info['command']}` on {info['device']} ({info['dtype']}, torch {info['versions']['torch']}, "
         f"transformers {info['versions']['transformers']}), {info['wall_seconds']:.0f} s.",
         f"Model `{info['model']}`: {meta['num_layers']} MoE layers, {meta['num_experts']} experts, "
         f"top-{meta['top_k']}. {info['tokens']} held-out tokens in {info['tokens'] // info['window_tokens']} "
-        f"windows of {info['window_tokens']} ({info['streams']} stream(s) of whole windows, each starting "
-        f"with a cold cache); {int(ok.sum())} scored tokens; {len(rows)} strategies.",
+        f"windows of {info['window_tokens']} ({info['streams']} stream(s) of whole windows, each an independent run "
+        f"starting with an empty cache unless warmed); {int(ok.sum())} scored tokens; {len(rows)} strategies."
+        + (f" Strategies with a warm start (cache.init=frequency) fill their caches from the first "
+           f"{', '.join(map(str, sorted(warm)))} tokens of each stream, which are not scored." if warm else ""),
         "",
         f"**Simulator replay check**: {equal} of {len(checks)} strategies' own traces, replayed by "
         "moe-sim's engine with the same policy, give exactly the emulation's per-token mass and counts "
         f"(largest difference {max((c['max_abs_mass_diff'] for c in checks), default=0.0):.3g}).",
         "",
-        f"**Rows are independent**: the {len(refs)} fetch_all rows (one per fraction; the same experts run) "
-        f"differ by at most {spread:.3g} nats in any token's NLL, whatever the other rows substitute.",
-        "",
+    ]
+    if len(refs) > 1:
+        ppl = np.exp(run.arrays["nll"][refs][:, ok].mean(1))
+        out += [
+            f"**Noise floor**: the {len(refs)} fetch_all rows run the same experts; their token NLLs differ "
+            f"on {(diff > 0).any(0).mean() * 100:.1f} % of tokens (mean |difference| {diff.mean():.2g} nats, "
+            f"largest {diff.max():.3g}) and their perplexities by {(ppl.max() / ppl.min() - 1) * 100:.4f} %: "
+            "the rounding of a row depends on what the other rows of the batch route where.",
+            "",
+        ]
+    out += [
         "### Per strategy",
         "",
     ]
@@ -419,9 +442,12 @@ def report(run: Run, block_tokens: int = 128, after_tokens: int = 64, n_boot: in
 
     out += ["", "### Mass hypothesis across strategies (same tokens)", ""]
     hyp = mass_hypothesis_across_strategies(run, rows, block_tokens, n_boot)
-    out += _table(["strategies", "n", "Pearson r [95 % CI]"],
-                  [[h["set"], str(h["strategies"]), _r(h)] for h in hyp])
-    out += ["", f"r between mean mass and perplexity increase over fetch_all; CI: bootstrap over "
+    out += _table(["strategies", "n", "Pearson r [95 % CI]", "Spearman r",
+                   "slope: perplexity increase per 0.1 mass [95 % CI]"],
+                  [[h["set"], str(h["strategies"]), _r(h), f"{h['spearman']:.2f}",
+                    f"{pct(h['slope'] / 10, 1)} [{pct(h['slope_ci'][0] / 10, 1)}, {pct(h['slope_ci'][1] / 10, 1)}]"]
+                   for h in hyp])
+    out += ["", f"Between mean mass and perplexity increase over fetch_all; CI: bootstrap over "
             f"{hyp[0]['blocks'] if hyp else 0} blocks of {block_tokens} tokens ({n_boot} resamples)."]
 
     fractions = sorted(set(run.fractions))
@@ -465,12 +491,14 @@ def report(run: Run, block_tokens: int = 128, after_tokens: int = 64, n_boot: in
     return "\n".join(out) + "\n"
 
 
-def replace_generated(doc: Path, text: str) -> None:
-    """Put ``text`` between the BEGIN/END markers of ``doc`` (appended if there are none)."""
+def replace_generated(doc: Path, text: str, block: str = "") -> None:
+    """Put ``text`` between the markers of generated block ``block`` in ``doc`` (appended if
+    there are none)."""
+    begin, end = BEGIN.format(f" {block}" if block else ""), END.format(f" {block}" if block else "")
     old = doc.read_text() if doc.exists() else ""
-    block = f"{BEGIN}\n{text}{END}"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    block = f"{begin}\n{text}{end}"
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
     else:
         new = (old.rstrip() + "\n\n" if old else "") + block + "\n"
     doc.write_text(new)
@@ -480,13 +508,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m analysis.quality", description=__doc__.splitlines()[0])
     p.add_argument("run", help="moe-emulate output folder")
     p.add_argument("--doc", help="markdown file whose generated block to replace (else print)")
+    p.add_argument("--block", default="", help="name of the generated block in --doc (several runs, one page)")
     p.add_argument("--block-tokens", type=int, default=128, help="tokens per bootstrap block")
     p.add_argument("--after-tokens", type=int, default=64, help="tokens counted after a domain switch")
     p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
     args = p.parse_args(argv)
     text = report(load(args.run), args.block_tokens, args.after_tokens, args.boot)
     if args.doc:
-        replace_generated(Path(args.doc), text)
+        replace_generated(Path(args.doc), text, args.block)
     else:
         print(text, end="")
 

@@ -88,6 +88,9 @@ class Strategy:
     def config_overrides(self) -> list[str]:
         return [*self.overrides, f"cache.fraction={self.fraction}", f"policy.name={self.name}"]
 
+    def with_overrides(self, extra: Sequence[str]) -> Strategy:
+        return Strategy(self.name, self.fraction, (*self.overrides, *extra))
+
 
 def default_strategies(fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list[Strategy]:
     """Per fraction: the paper's strategies, both threshold sweeps, the beta sweep, and the two
@@ -945,6 +948,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resident fractions of the default strategy set, comma-separated")
     p.add_argument("--strategy", action="append", default=[], metavar="'NAME@FRACTION OVERRIDE ...'",
                    help="a strategy instead of the default set (repeatable); the open loop needs a fetch_all one")
+    p.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
+                   help="a moe-sim override for every strategy, e.g. cache.warmup_tokens=64 (repeatable)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype) | bfloat16 | float32 ...")
     p.add_argument("--experts-implementation", help="transformers expert kernels: eager | batched_mm | grouped_mm")
@@ -977,8 +982,9 @@ def run_cli(args, argv: list[str]) -> None:
         print(f"moe-emulate: {msg}", file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
-    strategies = ([parse_strategy(s) for s in args.strategy] if args.strategy else
-                  default_strategies([float(f) for f in args.fractions.split(",")]))
+    strategies = [s.with_overrides(args.set) for s in (
+        [parse_strategy(s) for s in args.strategy] if args.strategy
+        else default_strategies([float(f) for f in args.fractions.split(",")]))]
     model_cfg = ModelConfig(path=None if args.config else str(resolve_path(args.model)),
                             config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
                             device=args.device)

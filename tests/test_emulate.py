@@ -130,7 +130,7 @@ def test_substitute_runs_the_chosen_expert_with_the_missing_gate_weight(arch):
     model, sites, meta = setup(arch)
     tokens = tiny_tokens(windows=1)
     strategies = [Strategy("fetch_all", 0.25, ("policy=fetch_all",)),
-                  Strategy("substitute_all", 0.25, ("policy=substitute_all",)),
+                  Strategy("substitute_all", 0.25, ("policy=substitute_all", "cache.init=cold")),
                   Strategy("first_choice", 0.25, ("policy=first_choice",))]
     router, run = [], []
     hooks = []
@@ -177,7 +177,8 @@ def test_substitute_runs_the_chosen_expert_with_the_missing_gate_weight(arch):
 def test_simulator_mass_on_the_emulation_trace_equals_the_emulation_mass(tmp_path):
     model, sites, meta = setup("qwen3_moe")
     tokens = tiny_tokens()
-    strategies = [*default_strategies([0.25]), Strategy("sa_warm", 0.5, ("policy=substitute_all", *WARM_ALL))]
+    strategies = [*(s.with_overrides(["cache.warmup_tokens=3"]) for s in default_strategies([0.25])),
+                  Strategy("sa_cold", 0.5, ("policy=substitute_all", "cache.init=cold"))]
     em = emulate(model, sites, meta, tokens, strategies, trace_dir=tmp_path)
     arrays = summary_arrays(em)
     # lane by lane, moe-sim's reference engine on the lane's own trace
@@ -201,7 +202,7 @@ def test_open_loop_replays_decisions_from_the_unperturbed_routing(tmp_path):
     model, sites, meta = setup("qwen3_moe")
     tokens = tiny_tokens()
     strategies = [Strategy("fetch_all", 0.25, ("policy=fetch_all",)),
-                  Strategy("substitute_all", 0.25, ("policy=substitute_all",))]
+                  Strategy("substitute_all", 0.25, ("policy=substitute_all", "cache.init=cold"))]
     em = emulate(model, sites, meta, tokens, strategies, trace_dir=tmp_path)
     arrays = summary_arrays(em)
     ok = np.isfinite(arrays["nll"][0])
@@ -277,7 +278,7 @@ def test_command_line_and_quality_report(tmp_path):
     main(["--config", str(tmp_path / "model" / "config.json"), "--tokenizer", str(tmp_path / "tok"),
           "--dtype", "float32", "--device", "cpu", "--text", str(tmp_path / "text.jsonl"),
           "--max-tokens", "96", "--window-tokens", "24", "--streams", "2", "--fractions", "0.25",
-          "--out", str(out)])
+          "--set", "cache.warmup_tokens=4", "--out", str(out)])
     info = json.loads((out / "emulation.json").read_text())
     assert info["tokens"] == 96 and len(info["strategies"]) == 23 and info["strategies"][0]["name"] == "fetch_all"
     assert all(c["mass_equal"] and c["counts_equal"] for c in info["checks"])
@@ -290,10 +291,12 @@ def test_command_line_and_quality_report(tmp_path):
                     "domain switches", "open loop"):
         assert heading in text
     doc = tmp_path / "QUALITY.md"
-    doc.write_text("intro\n\n" + quality.BEGIN + "\nSTALE TABLES\n" + quality.END + "\n\noutro\n")
+    doc.write_text("intro\n\n" + quality.BEGIN.format("") + "\nSTALE TABLES\n" + quality.END.format("") + "\n\noutro\n")
     quality.replace_generated(doc, text)
+    quality.replace_generated(doc, "second run\n", block="cpu")
     new = doc.read_text()
-    assert new.startswith("intro") and new.rstrip().endswith("outro") and "STALE" not in new
+    assert new.startswith("intro") and "outro" in new and "STALE" not in new
+    assert new.rstrip().endswith(quality.END.format(" cpu")) and "second run" in new
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(tmp_path / "model" / "config.json"), "--tokenizer", str(tmp_path / "tok"),
               "--text", str(tmp_path / "missing.jsonl"), "--out", str(out)])
@@ -307,6 +310,8 @@ def test_pearson_and_bootstrap_helpers():
     assert math.isnan(float(quality.pearson(x, np.ones(10))))
     w = quality.resample_weights(7, 100, 0)
     assert w.shape == (100, 7) and (w.sum(1) == 7).all()
+    assert quality.slope(x, 3 * x - 2) == pytest.approx(3.0)
+    assert quality.ranks(np.array([0.3, 0.1, 0.2])).tolist() == [2.0, 0.0, 1.0]
 
 
 def test_text_from_a_captured_trace(tmp_path):
