@@ -118,9 +118,11 @@ def pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def slope(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least-squares slope of y on x along the last axis."""
+    """Least-squares slope of y on x along the last axis (NaN where x is constant)."""
     x = x - x.mean(-1, keepdims=True)
-    return (x * (y - y.mean(-1, keepdims=True))).sum(-1) / (x * x).sum(-1)
+    var = (x * x).sum(-1)
+    cov = (x * (y - y.mean(-1, keepdims=True))).sum(-1)
+    return np.where(var > 0, cov / np.where(var > 0, var, 1.0), np.nan)
 
 
 def ranks(x: np.ndarray) -> np.ndarray:
@@ -459,14 +461,14 @@ def report(run: Run, block_tokens: int = 128, after_tokens: int = 64, n_boot: in
     out += ["", f"r across blocks of {block_tokens} tokens between the block's mean mass and its "
             "NLL increase over fetch_all; CI: bootstrap over blocks."]
 
-    out += ["", "### Background admission after domain switches", ""]
     adm = admission_after_switches(run, rows, after_tokens, n_boot)
-    body = [[d["with"], d["without"], pct(d["after_with"]), pct(d["after_without"]),
-             f"{pct(d['after_change'])} [{pct(d['after_ci'][0])}, {pct(d['after_ci'][1])}]",
-             pct(d["overall_change"])] for d in adm]
-    out += _table(["with admission", "without", f"first {after_tokens} tokens after a switch: with",
-                   "without", "change [95 % CI]", "change overall"], body)
     if adm:
+        body = [[d["with"], d["without"], pct(d["after_with"]), pct(d["after_without"]),
+                 f"{pct(d['after_change'])} [{pct(d['after_ci'][0])}, {pct(d['after_ci'][1])}]",
+                 pct(d["overall_change"])] for d in adm]
+        out += ["", "### Background admission after domain switches", ""]
+        out += _table(["with admission", "without", f"first {after_tokens} tokens after a switch: with",
+                       "without", "change [95 % CI]", "change overall"], body)
         out += ["", f"Perplexity increase over fetch_all on the first {after_tokens} scored tokens after "
                 f"each of {adm[0]['events']} domain switches; CI: bootstrap over switches."]
 

@@ -311,6 +311,7 @@ def test_pearson_and_bootstrap_helpers():
     w = quality.resample_weights(7, 100, 0)
     assert w.shape == (100, 7) and (w.sum(1) == 7).all()
     assert quality.slope(x, 3 * x - 2) == pytest.approx(3.0)
+    assert math.isnan(float(quality.slope(np.ones(4), x[:4])))
     assert quality.ranks(np.array([0.3, 0.1, 0.2])).tolist() == [2.0, 0.0, 1.0]
 
 
