@@ -136,3 +136,23 @@ def test_route_trace_replay_reproduces_recorded_hit_rate(tmp_path):
     ])
     assert summary["expert_calls"] == 36_864
     assert abs(summary["hit_rate"] - 29_597 / 36_864) <= 0.015, summary["hit_rate"]
+
+
+@pytest.mark.parametrize(
+    "case", ["schema_version", "expert_too_large", "duplicate_expert", "weight_nan", "logit_nan"]
+)
+def test_malformed_traces_stop_moe_sim_with_one_line(case, tmp_path):
+    """The reader's checks reach the app: exit 2, one line naming the field, no run directory."""
+    from test_format import BAD_FILES, make_arrays, make_meta
+
+    from traces.format import TraceWriter
+
+    good = tmp_path / "good.parquet"
+    with TraceWriter(good, make_meta()) as writer:
+        writer.write(**make_arrays())
+    make, words = BAD_FILES[case]
+    bad = make(good, tmp_path / f"{case}.parquet")
+    out = tmp_path / "run"
+    proc = moe_sim(f"trace.path={bad}", "cache.fraction=0.5", f"hydra.run.dir={out}")
+    _one_error_line(proc, words[0])
+    assert not out.exists()
