@@ -360,20 +360,37 @@ def _trim(
 
 
 @jit(allocates=False)
-def _best_substitute(layer, scores, layer_res, layer_res_n, mark, stamp):
-    """The layer's resident not marked ``stamp`` with the highest ``scores[e]`` (float[E]);
-    ties by the lower id; -1 if none."""
+def _substitute_order(layer, scores, m, layer_res, layer_res_n, mark, stamp, out):
+    """The up to ``m`` best substitutes of a step, best first, into ``out``; returns how many.
+
+    Candidates are the layer's residents not marked ``stamp``, by ``scores[e]`` (float[E])
+    descending, ties by the lower id. One scan serves the whole step: during a step experts
+    only ever leave the eligible set (a used substitute), so the order never changes."""
     E = scores.shape[0]
-    best = -1
-    best_score = 0.0
+    base = layer * E
+    n = 0
     for j in range(layer_res_n[layer]):
         y = layer_res[layer, j]
-        if mark[y] != stamp:
-            v = scores[y - layer * E]
-            if best < 0 or v > best_score or (v == best_score and y < best):
-                best = y
-                best_score = v
-    return best
+        if mark[y] == stamp:
+            continue
+        v = scores[y - base]
+        if n == m:
+            w = out[n - 1]
+            vw = scores[w - base]
+            if v < vw or (v == vw and y > w):
+                continue
+            n -= 1
+        k = n
+        while k > 0:
+            w = out[k - 1]
+            vw = scores[w - base]
+            if vw > v or (vw == v and w < y):
+                break
+            out[k] = w
+            k -= 1
+        out[k] = y
+        n += 1
+    return n
 
 
 # ---- link and host RAM -------------------------------------------------------------------
@@ -562,6 +579,8 @@ def run_chunk(
                 substitutions = 0
                 cpu_calls = 0
                 m = 0.0
+                n_cand = -1
+                next_cand = 0
                 for i in range(K):
                     x = base + experts[a, layer, i]
                     if resident[x]:
@@ -573,12 +592,17 @@ def run_chunk(
                         if miss_action == CPU_ACTION:
                             cpu_calls += 1
                             continue
-                        if substitute_by == BY_LOGIT:
-                            best = _best_substitute(layer, logits[a, layer], layer_res,
-                                                    layer_res_n, mark, stamp)
-                        else:
-                            best = _best_substitute(layer, freq[base : base + E], layer_res,
-                                                    layer_res_n, mark, stamp)
+                        if n_cand < 0:
+                            if substitute_by == BY_LOGIT:
+                                n_cand = _substitute_order(layer, logits[a, layer], K - i, layer_res,
+                                                           layer_res_n, mark, stamp, scratch)
+                            else:
+                                n_cand = _substitute_order(layer, freq[base : base + E], K - i, layer_res,
+                                                           layer_res_n, mark, stamp, scratch)
+                        best = -1
+                        if next_cand < n_cand:
+                            best = scratch[next_cand]
+                            next_cand += 1
                         if best >= 0:
                             substitutions += 1
                             if i == 0:
