@@ -17,6 +17,8 @@ class TraceConfig:
     path: str = "traces/samples/fixture.parquet"  # trace file (Parquet, see traces/format.py)
     max_tokens: int | None = None  # simulate only the first N tokens; null = all
     chunk_tokens: int | None = None  # tokens decoded per chunk; null = sized to ~64 MiB
+    cache: bool = False  # decode once into a memory-mapped copy keyed by the file's hash
+    # ($MOE_SIM_CACHE or ~/.cache/moe-offload-sim), re-used by every later run and sweep job
 
 
 @dataclass

@@ -183,9 +183,14 @@ def open_source(trace_cfg: Mapping):
     path = resolve_path(str(trace_cfg["path"]))
     if not path.exists():
         raise InputError(f"'trace.path={trace_cfg['path']}' does not exist; give an existing trace file")
-    from traces.format import open_trace
+    if trace_cfg.get("cache"):
+        from simulator.trace_cache import cached_source
 
-    source = open_trace(path)
+        source = cached_source(path)
+    else:
+        from traces.format import open_trace
+
+        source = open_trace(path)
     if trace_cfg.get("max_tokens") is not None:
         if int(trace_cfg["max_tokens"]) < 1:
             raise InputError("'trace.max_tokens' must be >= 1 (or null for the whole trace)")
@@ -206,7 +211,9 @@ def simulate_config(cfg: Mapping, progress: bool = False) -> tuple[dict, object]
     bar = _progress_bar(source, progress)
     t0 = time.perf_counter()
     try:
-        result = simulate(source, params, engine=engine, progress=bar.update if bar else None)
+        result = simulate(source, params, engine=engine,
+                          progress=(lambda done: bar.update(done - bar.n)) if bar else None,
+                          chunk_tokens=cfg["trace"].get("chunk_tokens"))
     finally:
         if bar:
             bar.close()

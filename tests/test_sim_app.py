@@ -156,3 +156,16 @@ def test_malformed_traces_stop_moe_sim_with_one_line(case, tmp_path):
     proc = moe_sim(f"trace.path={bad}", "cache.fraction=0.5", f"hydra.run.dir={out}")
     _one_error_line(proc, words[0])
     assert not out.exists()
+
+
+def test_trace_cache_gives_the_same_results(trace, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_SIM_CACHE", str(tmp_path / "cache"))
+    common = [f"trace.path={trace}", "policy=quality_first"]
+    plain = simulate_overrides(common)
+    cached = [simulate_overrides([*common, "trace.cache=true"]) for _ in range(2)]  # build, re-use
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    for summary in cached:
+        for key in ("hits", "substitutions", "mean_mass", "ms_per_token", "tokens"):
+            assert summary[key] == plain[key], key
+    chunked = simulate_overrides([*common, "trace.chunk_tokens=7"])
+    assert chunked["substitutions"] == plain["substitutions"] and chunked["ms_per_token"] == plain["ms_per_token"]
