@@ -235,6 +235,35 @@ def test_router_returning_probabilities_is_recorded_as_log_probabilities():
     np.testing.assert_allclose(rows[0].logits, expected, rtol=2e-3, atol=2e-3)
 
 
+def test_top_r_capture_stores_the_models_highest_logits(tmp_path):
+    from traces.capture.capture import build_meta, open_writer
+    from traces.format import read_trace
+
+    model, r = tiny_model("qwen3_moe"), 3  # 8 experts, top-2
+    sites = find_routers(model)
+    meta = build_meta(model, sites, "tiny", ["a", "b"], f"top:{r}", {})
+    assert meta.has_logits and meta.logits_top_r == r and "logits_storage_note" not in meta.extra
+    path = tmp_path / "top.parquet"
+    with open_writer(path, meta) as writer:
+        capture_windows(model, sites, windows([9, 14, 5]), CaptureConfig(logits=f"top:{r}", batch_size=2),
+                        lambda rows: writer.write(**rows.columns()))
+    meta, chunk = read_trace(path)
+    assert meta.logits_top_r == r and chunk.logits.shape == (28, 2, 8)
+    for seq in range(3):
+        sel = chunk.seq == seq
+        sites, xs, _ = router_inputs(model, chunk.token_id[sel])
+        for j, (site, x) in enumerate(zip(sites, xs, strict=True)):
+            logits, ids, _ = reference_routing(site, x)
+            logits, got = logits.numpy(), chunk.logits[sel][:, j]
+            np.testing.assert_array_equal(chunk.experts[sel][:, j], ids.numpy())
+            kept = np.isfinite(got)
+            assert (kept.sum(-1) == r).all() and (got[~kept] == -np.inf).all()
+            np.testing.assert_allclose(got[kept], logits[kept], rtol=1e-3, atol=1e-3)
+            # the kept ones are the model's R highest (up to float16 rounding of near ties)
+            lowest_kept = np.where(kept, logits, np.inf).min(-1)
+            assert (np.where(kept, -np.inf, logits).max(-1) <= lowest_kept + 1e-3).all()
+
+
 def test_logits_storage_values():
     assert parse_logits_storage("full") == ("full", None)
     assert parse_logits_storage("top:8") == ("top", 8)
@@ -284,6 +313,10 @@ def test_run_capture_writes_a_trace_and_refuses_to_overwrite(tmp_path):
     cfg.force, cfg.logits = True, "none"
     run_capture(cfg)
     assert not open_trace(cfg.out).meta.has_logits
+    cfg.logits = "top:3"
+    run_capture(cfg)
+    meta = open_trace(cfg.out).meta
+    assert meta.has_logits and meta.logits_top_r == 3 and meta.extra["logits_storage"] == "top:3"
 
 
 def test_app_refuses_a_dense_model_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):

@@ -410,3 +410,146 @@ def test_repack_refuses_a_bad_quantum_and_writes_nothing(tiny_trace, tmp_path):
     assert not (tmp_path / "out.parquet").exists()
     assert main(["repack", str(path), str(tmp_path / "out.parquet"), "--logits-quantum", "3"]) == 2
     assert not (tmp_path / "out.parquet").exists()
+
+
+# --- top-R logits ------------------------------------------------------------------------------
+
+R = 5
+
+
+def top_r_expected(logits: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Dense logits as a top-R trace reads back: float16 values at ``keep`` (ids), -inf elsewhere."""
+    dense = np.full(logits.shape, -np.inf, np.float32)
+    values = np.take_along_axis(logits, keep, -1).astype(np.float16).astype(np.float32)
+    np.put_along_axis(dense, keep, values, -1)
+    return dense
+
+
+@pytest.fixture
+def top_r_file(tmp_path) -> Path:
+    path = tmp_path / "top_r.parquet"
+    with TraceWriter(path, make_meta(logits_top_r=R), row_group_tokens=7) as writer:
+        writer.write(**make_arrays())
+    return path
+
+
+def test_top_r_logits_round_trip(top_r_file, tmp_path, capsys):
+    arrays = make_arrays()
+    meta, chunk = read_trace(top_r_file)
+    assert meta == make_meta(logits_top_r=R) and meta.has_logits
+    schema = pq.read_schema(top_r_file)
+    assert schema.field("logits").type.list_size == R and schema.field("logit_ids").type.list_size == R
+    stored = pq.read_table(top_r_file).column("logits").combine_chunks().flatten().to_numpy()
+    assert (np.diff(stored.reshape(-1, R).astype(np.float32), axis=-1) <= 0).all()  # descending
+    top = np.argsort(-arrays["logits"], axis=-1)[..., :R]
+    assert chunk.logits.dtype == np.float32 and chunk.logits.shape == (40, L, E)
+    np.testing.assert_array_equal(chunk.logits, top_r_expected(arrays["logits"], top))
+    np.testing.assert_array_equal(chunk.experts, arrays["experts"])
+    # written again from the dense logits: the same file contents
+    copy = tmp_path / "copy.parquet"
+    write_trace(copy, meta, chunk)
+    np.testing.assert_array_equal(read_trace(copy)[1].logits, chunk.logits)
+    assert main(["info", str(top_r_file)]) == 0
+    assert f"logits top-{R}, residency yes" in capsys.readouterr().out
+    # all-E traces keep the metadata JSON earlier readers know
+    assert "logits_top_r" not in json.loads(make_meta().to_json())
+
+
+def test_top_r_keeps_the_selected_experts_when_the_router_did_not_pick_the_highest(tmp_path):
+    arrays = make_arrays()
+    arrays["experts"] = np.argsort(-arrays["logits"], axis=-1)[..., [0, E - 1]]  # rank 1: the lowest
+    path = tmp_path / "biased.parquet"
+    with TraceWriter(path, make_meta(logits_top_r=R)) as writer:
+        writer.write(**arrays)
+    order = np.argsort(-arrays["logits"], axis=-1)
+    keep = np.concatenate([order[..., :R - 1], order[..., E - 1:]], axis=-1)
+    np.testing.assert_array_equal(read_trace(path)[1].logits, top_r_expected(arrays["logits"], keep))
+
+
+def replace_first_id(values):
+    """Row 20 loses its first id (rank 0's expert, the highest logit) to an id not listed."""
+    values[20, 0] = next(e for e in range(E) if e not in values[20])
+
+
+BAD_TOP_R = {
+    "r_below_k": (lambda good, out: rewrite(good, out, meta=meta_dict(logits_top_r=1)),
+                  ["'logits_top_r'", "is 1", "top_k 2"]),
+    "r_without_logits": (lambda good, out: rewrite(good, out, meta=meta_dict(logits_top_r=R, has_logits=False)),
+                         ["'logits_top_r'", "has_logits"]),
+    "width_mismatch": (lambda good, out: rewrite(good, out, meta=meta_dict(logits_top_r=R + 1)),
+                       ["'logits'", f"logits_top_r {R + 1}"]),
+    "missing_ids": (lambda good, out: rewrite(good, out, pq.read_table(good).drop_columns(["logit_ids"]),
+                                              meta=meta_dict(logits_top_r=R)),
+                    ["'logit_ids'", "missing", f"logits_top_r {R}"]),
+    "selected_missing": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "logit_ids", replace_first_id)), ["'logit_ids'", "selected expert", "not among"]),
+    "duplicate_id": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "logit_ids", duplicate_first)), ["'logit_ids'", "repeat"]),
+    "id_out_of_range": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "logit_ids", set_at(20, R - 1, E))), ["'logit_ids'", f"expert id {E}"]),
+    "logit_nan": (lambda good, out: rewrite(good, out, with_values(
+        pq.read_table(good), "logits", set_at(50, 3, np.nan))), ["'logits'", "NaN"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOP_R))
+def test_bad_top_r_file_raises_one_line_naming_the_field(case, top_r_file, tmp_path):
+    make, words = BAD_TOP_R[case]
+    bad = make(top_r_file, tmp_path / f"{case}.parquet")
+    with pytest.raises(InputError) as caught:
+        read_trace(bad)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(str(bad)) and ";" in message, message
+    assert all(word in message for word in words), message
+
+
+def test_writer_rejects_top_r_below_top_k_and_nan_logits(tmp_path):
+    with pytest.raises(InputError, match="'logits_top_r' is 1, outside top_k 2"):
+        TraceWriter(tmp_path / "x.parquet", make_meta(logits_top_r=1))
+    arrays = make_arrays()
+    lowest = int(np.argmin(arrays["logits"][3, 1]))
+    arrays["logits"][3, 1, lowest] = np.nan  # outside the top R: checked before the top R are kept
+    with pytest.raises(InputError, match="'logits' at seq .* layer 1: router logits contain NaN"), \
+            TraceWriter(tmp_path / "x.parquet", make_meta(logits_top_r=R)) as writer:
+        writer.write(**arrays)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_top_r_trace_substitutes_as_the_full_trace_when_the_best_resident_is_in_the_top_r(tmp_path):
+    """The same substitutes as with all logits wherever the highest-logit eligible resident is
+    among the token's R highest; with R = k (every resident outside) the choices differ."""
+    from engine_cases import assert_same, decide, params, run_both
+
+    rng = np.random.default_rng(3)
+    tokens, layers, experts, k, r = 80, 2, 16, 2, 8
+    # a popular core of 6 experts per layer whose members drift: the cache holds mostly experts
+    # near the top, and at times one that has fallen out of the top R
+    drift = np.cumsum(rng.normal(0, 0.4, (tokens, layers, experts)), axis=0)
+    logits = (np.where(np.arange(experts) < 6, 3.0, 0.0) + drift + rng.gumbel(size=drift.shape))
+    logits = logits.astype(np.float32)
+    arrays = dict(seq=np.zeros(tokens, np.int32), pos=np.arange(tokens, dtype=np.int32),
+                  phase=np.full(tokens, PHASE_DECODE, np.int8),
+                  experts=np.argsort(-logits, axis=-1)[..., :k],
+                  weights=rng.uniform(0.1, 1.0, (tokens, layers, k)).astype(np.float32), logits=logits)
+    base = dict(model="m", num_layers=layers, num_experts=experts, top_k=k, expert_bytes=[90] * layers,
+                has_logits=True)
+
+    def source(top_r: int) -> ArraySource:
+        path = tmp_path / f"r{top_r}.parquet"
+        with TraceWriter(path, TraceMeta(**base, logits_top_r=top_r)) as writer:
+            writer.write(**arrays)
+        return ArraySource(*read_trace(path))
+
+    def substitutes(src: ArraySource) -> list:
+        p = params(src.meta, budget_experts=5, rule="first_choice")
+        return [[step.substitutes for step in token] for token in decide(src, p)[1]], p
+
+    full = source(0)
+    subs_full, p = substitutes(full)
+    top = np.argsort(-logits, axis=-1)[..., :r]
+    chosen = [(t, layer, s) for t, token in enumerate(subs_full) for layer, step in enumerate(token)
+              for s in step if s >= 0]
+    assert len(chosen) > 30 and all(s in top[t, layer] for t, layer, s in chosen)  # the premise
+    assert substitutes(source(r))[0] == subs_full
+    assert_same(run_both(source(r), p), run_both(full, p))
+    assert substitutes(source(k))[0] != subs_full

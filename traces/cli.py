@@ -169,6 +169,7 @@ def summarize(source, path: str = "") -> dict:
         "experts": num_experts,
         "top_k": meta.top_k,
         "has_logits": meta.has_logits,
+        "logits_top_r": meta.logits_top_r,
         "has_residency": meta.has_residency,
         "logits_quantum": meta.extra.get("logits_quantum"),
         "expert_bytes": {"min": min(meta.expert_bytes), "max": max(meta.expert_bytes),
@@ -192,11 +193,12 @@ def format_summary(s: dict) -> str:
     def gib(n: int) -> str:
         return f"{n / 2**30:.1f} GiB"
 
+    logits = f"top-{s['logits_top_r']}" if s.get("logits_top_r") else "yes" if s["has_logits"] else "no"
     lines = [
         ("trace", s["path"]),
         ("model", f"{s['model']} (source {s['source'] or '?'}, schema {s['schema_version']})"),
         ("shape", f"{s['layers']} layers x {s['experts']} experts, top-{s['top_k']}; "
-                  f"logits {'yes' if s['has_logits'] else 'no'}, "
+                  f"logits {logits}, "
                   f"residency {'yes' if s['has_residency'] else 'no'}"),
         ("experts", f"{s['expert_bytes']['min']:,}..{s['expert_bytes']['max']:,} bytes each, "
                     f"{gib(s['expert_bytes']['total'])} in all"),

@@ -12,7 +12,8 @@ layer           int16                              MoE layer ordinal 0..L-1 (rea
 phase           int8                               0 = prefill, 1 = decode
 experts         fixed_size_list<int16>[k]          selected expert ids, rank order (rank 0 first)
 weights         fixed_size_list<float32>[k]        gate weights as the model applied them
-logits          fixed_size_list<float16>[E]        optional: full router logits
+logits          fixed_size_list<float16>[E or R]   optional: router logits, all E or the top R
+logit_ids       fixed_size_list<int16>[R]          with top-R logits: the expert id of each logit
 residency       fixed_size_list<int8>[k]           optional: 1 = was resident when recorded
 token_id        int32                              optional: vocabulary id of the token
 domain          int16                              optional: index into meta.domains
@@ -22,6 +23,14 @@ nll             float32                            optional: teacher-forced NLL 
 ``logits`` is present exactly when ``meta.has_logits``, ``residency`` exactly when
 ``meta.has_residency``. File metadata: key ``moe_trace`` holds the JSON of :class:`TraceMeta`
 (``schema_version`` 1).
+
+``meta.logits_top_r = R > 0`` stores only the R highest logits of each token-layer, descending,
+with their expert ids in ``logit_ids`` (R >= top_k; the selected experts are always among them,
+also where a router selects by biased scores; a tie at the R-th place keeps the lower id). The
+reader decodes them to the dense (T, L, E) logits every reader gets, with ``-inf`` for the
+experts outside the R: such an expert ranks below every expert inside them, and among
+themselves they tie (the simulator breaks ties by lower expert id). The key is left out of the
+JSON when 0 (all E logits), so such files read as before.
 
 A *group* is the unit the simulator processes at once: a maximal run of consecutive prefill
 tokens of one sequence (one batch per layer), or a single decode token.
@@ -73,6 +82,7 @@ class TraceMeta:
     score_function: str = "softmax"  # "softmax" or "sigmoid"
     renormalize: bool = True  # top-k gate weights renormalised to sum 1 by the model
     has_logits: bool = False
+    logits_top_r: int = 0  # R > 0: only the R highest logits (with their ids) stored; 0 = all E
     has_residency: bool = False
     layer_ids: list[int] = field(default_factory=list)  # real model layer index per MoE layer
     domains: list[str] = field(default_factory=list)  # names for the domain column
@@ -82,7 +92,10 @@ class TraceMeta:
     extra: dict = field(default_factory=dict)  # free-form provenance (seed, command, ...)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        values = asdict(self)
+        if not values["logits_top_r"]:
+            del values["logits_top_r"]  # the default: the JSON earlier versions wrote
+        return json.dumps(values, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> TraceMeta:
@@ -150,6 +163,12 @@ class TraceMeta:
             raise bad("dense_bytes", "has a negative size", "give non-negative byte sizes")
         if self.score_function not in SCORE_FUNCTIONS:
             raise bad("score_function", f"is {self.score_function!r}", f"use one of {', '.join(SCORE_FUNCTIONS)}")
+        r = self.logits_top_r
+        if r and not (self.has_logits and self.top_k <= r <= self.num_experts):
+            problem = ("is set but has_logits is false" if not self.has_logits else
+                       f"is {r}, outside top_k {self.top_k} .. num_experts {self.num_experts}")
+            raise bad("logits_top_r", problem,
+                      "keep at least the top_k selected experts' logits, or write 0 for all logits")
 
 
 _TYPE_CHECKS = {
@@ -174,7 +193,8 @@ class TraceChunk:
     ``group`` numbers groups globally across chunks (non-decreasing, first group of a trace is
     0); a chunk never splits a group. ``gates`` are the normalised gate weights g (the k
     weights of a token-layer divided by their sum). ``logits`` has shape (T, L, E) when the
-    trace has logits, else (0, L, E); ``residency`` likewise (T, L, k) or (0, L, k).
+    trace has logits (``-inf`` outside the top R of a top-R trace), else (0, L, E);
+    ``residency`` likewise (T, L, k) or (0, L, k).
     """
 
     seq: np.ndarray  # int32[T]
@@ -245,10 +265,14 @@ def plan_chunks(starts: Iterable[np.ndarray], num_tokens: int, max_tokens: int) 
     return np.array(plan, dtype=np.int64).reshape(-1, 3)
 
 
-def _token_bytes(meta: TraceMeta, per_rank: int, per_logit: int, per_token: int) -> int:
+def _token_bytes(meta: TraceMeta, per_rank: int, per_logit: int, per_token: int,
+                 stored: bool = False) -> int:
+    """Bytes of one token; ``stored``: top-R logits as on disk (value and id), else dense E."""
     k = meta.top_k
     per_layer = k * per_rank + (k if meta.has_residency else 0)
-    per_layer += meta.num_experts * per_logit if meta.has_logits else 0
+    if meta.has_logits:
+        top_r = stored and meta.logits_top_r
+        per_layer += meta.logits_top_r * (per_logit + 2) if top_r else meta.num_experts * per_logit
     return meta.num_layers * per_layer + per_token
 
 
@@ -259,7 +283,7 @@ def default_max_tokens(meta: TraceMeta) -> int:
 
 def default_row_group_tokens(meta: TraceMeta) -> int:
     """Tokens per written row group so that one row group in Arrow memory is ~ROW_GROUP_BYTES."""
-    rows = _token_bytes(meta, per_rank=6, per_logit=2, per_token=0) + 11 * meta.num_layers
+    rows = _token_bytes(meta, per_rank=6, per_logit=2, per_token=0, stored=True) + 11 * meta.num_layers
     return max(1, ROW_GROUP_BYTES // rows)
 
 
@@ -354,18 +378,10 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
         flat = int(np.argmax(mask.reshape(-1)))
         return flat // num_layers, flat % num_layers
 
-    out_of_range = ((experts < 0) | (experts >= num_experts)).any(axis=-1)
-    if out_of_range.any():
-        t, layer = first(out_of_range)
-        value = experts[t, layer][(experts[t, layer] < 0) | (experts[t, layer] >= num_experts)][0]
-        return Problem("experts", t, layer, f"expert id {value} is outside 0..{num_experts - 1}",
-                       "fix the ids or the metadata's num_experts")
-    ranked = np.sort(experts, axis=-1)
-    duplicate = (ranked[..., 1:] == ranked[..., :-1]).any(axis=-1)
-    if duplicate.any():
-        t, layer = first(duplicate)
-        return Problem("experts", t, layer, f"top-k {experts[t, layer].tolist()} repeats an expert",
-                       "each token-layer must select k distinct experts")
+    problem = _ids_problem("experts", experts, num_experts, first, "top-k",
+                           "each token-layer must select k distinct experts")
+    if problem:
+        return problem
     bad_weight = (~np.isfinite(weights) | (weights < 0)).any(axis=-1) | (weights.sum(axis=-1) <= 0)
     if bad_weight.any():
         t, layer = first(bad_weight)
@@ -379,6 +395,18 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             t, layer = first(nan)
             return Problem("logits", t, layer, "router logits contain NaN",
                            "re-capture in a precision that does not overflow, or drop the logits")
+    ids = cols.get("logit_ids")
+    if ids is not None:
+        problem = _ids_problem("logit_ids", ids, num_experts, first, "top-R ids",
+                               "each token-layer must list R distinct experts")
+        if problem:
+            return problem
+        missing = ~(experts[..., :, None] == ids[..., None, :]).any(axis=-1)
+        if missing.any():
+            t, layer = first(missing.any(axis=-1))
+            expert = experts[t, layer][missing[t, layer]][0]
+            return Problem("logit_ids", t, layer, f"selected expert {expert} is not among the top-R ids "
+                           f"{ids[t, layer].tolist()}", "store the logits of every selected expert")
     residency = cols.get("residency")
     if residency is not None:
         bad = ((residency != 0) & (residency != 1)).any(axis=-1)
@@ -393,6 +421,23 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             t = int(np.argmax(bad))
             return Problem("domain", t, None, f"index {domain[t]} has no name in the metadata's "
                            f"{len(meta.domains)} domains", "list every domain name in meta.domains")
+    return None
+
+
+def _ids_problem(column: str, ids: np.ndarray, num_experts: int, first, listed: str,
+                 fix: str) -> Problem | None:
+    """The first token-layer whose expert ids leave 0..E-1 or repeat one, or None."""
+    out_of_range = (ids < 0) | (ids >= num_experts)
+    if out_of_range.any():
+        t, layer = first(out_of_range.any(axis=-1))
+        value = ids[t, layer][out_of_range[t, layer]][0]
+        return Problem(column, t, layer, f"expert id {value} is outside 0..{num_experts - 1}",
+                       "fix the ids or the metadata's num_experts")
+    ranked = np.sort(ids, axis=-1)
+    duplicate = (ranked[..., 1:] == ranked[..., :-1]).any(axis=-1)
+    if duplicate.any():
+        t, layer = first(duplicate)
+        return Problem(column, t, layer, f"{listed} {ids[t, layer].tolist()} repeats an expert", fix)
     return None
 
 
@@ -433,21 +478,48 @@ def arrow_schema(meta: TraceMeta, token_columns: Iterable[str] = ()) -> pa.Schem
     """The Arrow schema of a trace file with these optional per-token columns, metadata attached."""
     types = _arrow_types(meta)
     names = ["seq", "pos", "layer", "phase", "experts", "weights"]
-    names += [name for name, present in (("logits", meta.has_logits), ("residency", meta.has_residency))
-              if present]
+    names += [name for name, present in (("logits", meta.has_logits), ("logit_ids", meta.logits_top_r > 0),
+                                         ("residency", meta.has_residency)) if present]
     names += [name for name in _TOKEN_COLUMNS if name in set(token_columns)]
     schema = pa.schema([(name, types[name]) for name in names])
     return schema.with_metadata({META_KEY: meta.to_json().encode()})
 
 
 def _arrow_types(meta: TraceMeta) -> dict[str, pa.DataType]:
-    k, e = meta.top_k, meta.num_experts
+    k, width = meta.top_k, _logits_width(meta)
     return {
         "seq": pa.int32(), "pos": pa.int32(), "layer": pa.int16(), "phase": pa.int8(),
         "experts": pa.list_(pa.int16(), k), "weights": pa.list_(pa.float32(), k),
-        "logits": pa.list_(pa.float16(), e), "residency": pa.list_(pa.int8(), k),
+        "logits": pa.list_(pa.float16(), width), "logit_ids": pa.list_(pa.int16(), width),
+        "residency": pa.list_(pa.int8(), k),
         "token_id": pa.int32(), "domain": pa.int16(), "nll": pa.float32(),
     }
+
+
+def _logits_width(meta: TraceMeta) -> int:
+    """Logits stored per token-layer: R, or all E."""
+    return meta.logits_top_r or meta.num_experts
+
+
+def _stored_logits(meta: TraceMeta, logits: np.ndarray, experts: np.ndarray) -> dict[str, np.ndarray]:
+    """Dense logits (T, L, E) as stored: float16, or the top R descending with their ids."""
+    r = meta.logits_top_r
+    if not r:
+        return {"logits": np.ascontiguousarray(logits, dtype=np.float16)}
+    score = np.array(logits, dtype=np.float32)
+    np.put_along_axis(score, experts.astype(np.intp), np.inf, axis=-1)  # selected experts stay
+    ids = np.argsort(-score, axis=-1, kind="stable")[..., :r]  # ties: the lower id
+    values = np.take_along_axis(np.asarray(logits), ids, axis=-1).astype(np.float16)
+    order = np.argsort(-values, axis=-1, kind="stable")  # descending
+    return {"logits": np.take_along_axis(values, order, axis=-1),
+            "logit_ids": np.take_along_axis(ids, order, axis=-1).astype(np.int16)}
+
+
+def _dense_logits(meta: TraceMeta, values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Top-R logits and their ids -> float32 (T, L, E), -inf outside the R."""
+    dense = np.full((*values.shape[:-1], meta.num_experts), -np.inf, np.float32)
+    np.put_along_axis(dense, ids.astype(np.intp), values.astype(np.float32), axis=-1)
+    return dense
 
 
 def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
@@ -496,16 +568,17 @@ class TraceWriter:
               token_id=None, domain=None, nll=None) -> None:
         """Append tokens: seq/pos/phase (T,), experts/weights/residency (T, L, k), logits (T, L, E).
 
+        Logits are always dense; with ``meta.logits_top_r`` only the top R are stored.
         Optional per-token columns (token_id, domain, nll) must be given in every call or none.
         """
         cols = _columns(self.meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
                         logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
-        if "logits" in cols:
-            cols["logits"] = np.ascontiguousarray(cols["logits"], dtype=np.float16)
         problem = order_problem(cols["seq"], cols["pos"], cols["phase"], self._last) or find_problem(
             self.meta, cols)
         if problem:
             _raise(str(self.path), problem, cols["seq"], cols["pos"])
+        if "logits" in cols:
+            cols.update(_stored_logits(self.meta, cols["logits"], cols["experts"]))
         if self._schema is None:
             self._schema = arrow_schema(self.meta, [n for n in _TOKEN_COLUMNS if n in cols])
         elif set(cols) != set(self._schema.names) - {"layer"}:
@@ -620,7 +693,7 @@ def repack_trace(src: str | os.PathLike, dst: str | os.PathLike, logits_quantum:
                     logits = table.column("logits").combine_chunks()
                     values = logits.values.to_numpy(zero_copy_only=False).astype(np.float32)
                     rounded = (np.round(values / logits_quantum) * logits_quantum).astype(np.float16)
-                    column = pa.FixedSizeListArray.from_arrays(pa.array(rounded), meta.num_experts)
+                    column = pa.FixedSizeListArray.from_arrays(pa.array(rounded), _logits_width(meta))
                     table = table.set_column(table.schema.get_field_index("logits"), "logits", column)
                 writer.write_table(table, row_group_size=table.num_rows)
         os.replace(tmp, dst)
@@ -734,7 +807,7 @@ class TraceReader:
         num_layers, t = meta.num_layers, stop - start
         table = rows.read(start * num_layers, stop * num_layers, descending)
         per_layer = {"experts": meta.top_k, "weights": meta.top_k, "residency": meta.top_k,
-                     "logits": meta.num_experts}
+                     "logits": _logits_width(meta), "logit_ids": _logits_width(meta)}
         cols = {}
         for name in self._columns:
             if name in per_layer:
@@ -747,6 +820,8 @@ class TraceReader:
         problem = find_problem(meta, cols)
         if problem:
             _raise(self._where, problem, cols["seq"], cols["pos"])
+        if "logit_ids" in cols:
+            cols["logits"] = _dense_logits(meta, cols["logits"], cols.pop("logit_ids"))
         return make_chunk(meta, **cols, first_group=first_group)
 
     def _plan(self, max_tokens: int | None) -> np.ndarray:
@@ -842,11 +917,12 @@ def _check_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> list[str]:
     """The columns to read; raises unless required ones exist with the documented types."""
     types = _arrow_types(meta)
     required = ["seq", "pos", "layer", "phase", "experts", "weights"]
-    required += [name for name, flag in (("logits", meta.has_logits), ("residency", meta.has_residency))
-                 if flag]
+    required += [name for name, flag in (("logits", meta.has_logits), ("logit_ids", meta.logits_top_r > 0),
+                                         ("residency", meta.has_residency)) if flag]
     for name in required:
         if name not in schema.names:
-            flag = {"logits": " (metadata says has_logits)", "residency": " (metadata says has_residency)"}
+            flag = {"logits": " (metadata says has_logits)", "residency": " (metadata says has_residency)",
+                    "logit_ids": f" (metadata says logits_top_r {meta.logits_top_r})"}
             raise InputError(
                 f"{where}: column '{name}' is missing{flag.get(name, '')}; write it as "
                 f"{_type_name(types[name])} or fix the metadata"
@@ -857,8 +933,9 @@ def _check_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> list[str]:
         if _type_name(found) != _type_name(types[name]):
             raise InputError(
                 f"{where}: column '{name}' has type {_type_name(found)}, expected "
-                f"{_type_name(types[name])} (top_k {meta.top_k}, num_experts {meta.num_experts} from "
-                "the metadata); rewrite the column or fix the metadata"
+                f"{_type_name(types[name])} (top_k {meta.top_k}, num_experts {meta.num_experts}"
+                f"{f', logits_top_r {meta.logits_top_r}' if meta.logits_top_r else ''} from the "
+                "metadata); rewrite the column or fix the metadata"
             )
     return columns
 

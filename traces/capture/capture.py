@@ -55,7 +55,7 @@ class Rows:
     nll: np.ndarray  # float32[T], teacher-forced NLL of the token in nats (NaN: no context)
     experts: np.ndarray  # int16[T, L, k], rank order
     weights: np.ndarray  # float32[T, L, k], gate weights as the model applied them
-    logits: np.ndarray | None = None  # float16[T, L, E] router logits, or None
+    logits: np.ndarray | None = None  # float16[T, L, E] router logits (the writer keeps top R), or None
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +148,7 @@ def _routing_parts(routing, slots: torch.Tensor, logits_kind: str) -> dict[str, 
         "experts": routing.experts.index_select(0, slots).to(torch.int16),
         "weights": routing.weights.index_select(0, slots),
     }
-    if logits_kind == "full":
+    if logits_kind != "none":
         parts["logits"] = routing.logits.index_select(0, slots).to(torch.float16)
     return parts
 
@@ -293,8 +293,6 @@ def build_meta(model, sites: list[RouterSite], name: str, domains: list[str], lo
         "log of the router's returned softmax (logits up to a per-token shift)"
         if logits_are_probs else "router output"
     )
-    if kind == "top":
-        info["logits_storage_note"] = "top:R is not in the trace format yet; no logits stored"
     info.update(extra)
     return TraceMeta(
         model=name,
@@ -305,7 +303,8 @@ def build_meta(model, sites: list[RouterSite], name: str, domains: list[str], lo
         dtype=r["dtype"],
         score_function=r["score_function"],
         renormalize=r["renormalize"],
-        has_logits=kind == "full",
+        has_logits=kind != "none",
+        logits_top_r=top_r or 0,
         layer_ids=r["layer_ids"],
         domains=list(domains),
         dense_bytes=r["dense_bytes"],
@@ -372,7 +371,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
 
     start = time.perf_counter()
     try:
-        with torch.inference_mode(), RouterRecorder(sites, kind == "full", logits_are_probs) as rec:
+        with torch.inference_mode(), RouterRecorder(sites, kind != "none", logits_are_probs) as rec:
             if cfg.mode == "teacher_forced":
                 teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, kind, on_tokens)
             else:
