@@ -159,7 +159,9 @@ def cached_source(path: str | os.PathLike, cache_dir: str | os.PathLike | None =
     build = Path(tempfile.mkdtemp(prefix=f".build-{final.name[:16]}-", dir=root))
     try:
         _decode_into(path, build, max_tokens)
-        if final.exists():  # an old layout (a fresh one would have been returned above)
+        if (final / "meta.json").is_file() and _version(final) == LAYOUT_VERSION:
+            return CachedTrace(final, built=False)  # a concurrent job finished first: use its copy
+        if final.exists():  # an old layout
             shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(build, final)
