@@ -875,7 +875,13 @@ def render_validation(measured: dict, profile: dict, profile_path: str, rows: li
 
 
 def cmd_compare(args) -> None:
-    measured = json.loads(Path(args.measured).read_text())
+    path = Path(args.measured)
+    if not path.is_file():
+        raise InputError(f"measured file {path} does not exist; give the replay.json that 'moe-replay run' wrote")
+    try:
+        measured = json.loads(path.read_text())
+    except ValueError as e:
+        raise InputError(f"{path}: not JSON ({e}); give the replay.json that 'moe-replay run' wrote") from None
     profile = load_profile(args.profile)
     rows = compare_runs(measured, profile, lambda o, p: simulate_with_profile(o, p, args.engine))
     text = render_validation(measured, profile, args.profile, rows, speedups(rows), args.engine)

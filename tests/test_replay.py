@@ -197,3 +197,17 @@ def test_batched_expert_kernels_match_float64_in_the_interpreter(monkeypatch):
     from simulator.calibrate import check_batched_experts
 
     assert check_batched_experts(256, 128, 3, torch.device("cpu"), torch.bfloat16) < 1e-3
+
+
+def test_compare_with_a_missing_or_bad_measured_file_stops_with_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for measured in (tmp_path / "missing.json", bad):
+        proc = subprocess.run(
+            [sys.executable, "-m", "simulator.replay", "compare", str(measured),
+             "--profile", "conf/hardware/h200_measured.yaml", "--out", str(tmp_path / "v.md")],
+            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 2
+        assert proc.stderr.count("\n") == 1 and "replay.json" in proc.stderr
+        assert not (tmp_path / "v.md").exists()
