@@ -35,7 +35,7 @@ from analysis.collect import (
     speedup_table,
 )
 from analysis.plots import Plot, all_plots
-from simulator.results import atomic_write_bytes
+from traces.atomic import atomic_write_bytes
 from traces.errors import EXIT_INPUT_ERROR, InputError
 
 # --- a tiny document model, rendered to Markdown and to HTML -------------------------------

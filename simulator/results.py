@@ -5,8 +5,6 @@ Every field is defined once in docs/metrics.md; the names here are those names.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from simulator.engine.params import MASS_BINS, SimResult
+from traces.atomic import atomic_output, atomic_write_bytes
 from traces.format import PHASE_DECODE
 
 
@@ -122,38 +121,10 @@ def per_layer_table(r: SimResult) -> pa.Table:
     )
 
 
-def _file_mode() -> int:
-    """The mode a plainly created file gets (mkstemp would leave 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write a file so that readers see either the old file, nothing, or the whole new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    """Write a Parquet table to ``path`` atomically (zstd)."""
+    with atomic_output(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_outputs(run_dir: Path, summary: dict, r: SimResult, per_token: bool = True) -> None:

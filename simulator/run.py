@@ -263,7 +263,8 @@ def _task(cfg) -> dict | None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from simulator.results import atomic_write_bytes, write_outputs
+    from simulator.results import write_outputs
+    from traces.atomic import atomic_write_bytes
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
