@@ -227,9 +227,9 @@ def _work_shape(task: dict) -> dict:
     """Throughput per policy, engines side by side, MRC and libCacheSim on one shape's trace."""
     from simulator.engine import simulate
     from simulator.mrc import mrc
-    from simulator.run import LimitedSource
     from simulator.trace_cache import cached_source
     from traces.format import ArraySource, concat_chunks
+    from traces.sources import LimitedSource
 
     repeats = task["repeats"]
     t = time.perf_counter()

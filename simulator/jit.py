@@ -5,6 +5,13 @@ and no fused multiply-add. ``cache`` keeps compiled kernels across processes.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import types
+from pathlib import Path
+from types import ModuleType
+
 import numba
 
 JIT_FLAGS = {
@@ -34,3 +41,51 @@ def jit(fn=None, *, allocates: bool = True, inline: bool = False):
         return numba.njit(**flags)(f)
 
     return wrap if fn is None else wrap(fn)
+
+
+def specialise(fn, variants: dict[str, ModuleType]):
+    """``fn`` compiled as a kernel with each name in ``variants`` bound to a policy module.
+
+    ``fn``'s body calls hooks as ``eviction.on_use(...)``; here ``eviction`` resolves to the
+    chosen variant's module, so Numba compiles direct calls (inlinable, no branch on a policy
+    code). Each combination is cached under its own name, which also carries a fingerprint of
+    the engine's and the policies' sources: Numba invalidates a cached kernel only when the
+    kernel's own file changes, so an edited hook must change the name. Cached kernels of older
+    fingerprints are removed.
+    """
+    tag = ".".join(m.__name__.rsplit(".", 1)[-1] for m in variants.values())
+    fp = sources_fingerprint()
+    namespace = dict(fn.__globals__, **variants)
+    f = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    f.__qualname__ = f"{fn.__qualname__}[{tag}@{fp}]"
+    f.__module__ = fn.__module__
+    f.__doc__ = fn.__doc__
+    kernel = numba.njit(**NO_ALLOC_FLAGS, inline="never")(f)
+    _prune_stale(kernel, f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}[", f"@{fp}]")
+    return kernel
+
+
+@functools.cache
+def sources_fingerprint() -> str:
+    """A short hash of every source file a specialised kernel is compiled from."""
+    root = Path(__file__).resolve().parent
+    files = sorted([*root.glob("engine/*.py"), *root.glob("policies/**/*.py"),
+                    root / "jit.py", root / "metrics.py"])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _prune_stale(kernel, prefix: str, current: str) -> None:
+    """Remove this kernel's cache files from earlier source fingerprints."""
+    try:
+        directory = Path(kernel._cache._cache_path)  # Numba's cache locator; private
+        stale = [p for p in directory.iterdir()
+                 if p.name.startswith(prefix) and current not in p.name]
+    except (AttributeError, OSError):
+        return
+    for p in stale:
+        with contextlib.suppress(OSError):
+            p.unlink()

@@ -13,19 +13,21 @@ from pathlib import Path
 
 import numpy as np
 
-from simulator.engine.params import EVICTIONS, INITS, MISS_ACTIONS, SCOPES, SUBSTITUTE_BY, SimParams
+from simulator.engine.params import INITS, SCOPES, SimParams
 from simulator.hardware import layer_times, validate_profile
+from simulator.policies import registries
 from traces.errors import EXIT_INPUT_ERROR, InputError
-from traces.format import TraceMeta, slice_chunk
+from traces.format import TraceMeta
+from traces.sources import LimitedSource
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 
 
-def _choice(value: str, allowed: Mapping[str, int], field: str) -> int:
+def _choice(value: str, allowed, field: str) -> str:
     if value not in allowed:
         raise InputError(f"'{field}={value}' is not valid; choose one of: {', '.join(allowed)}")
-    return allowed[value]
+    return value
 
 
 def resolve_path(path: str) -> Path:
@@ -77,7 +79,7 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
     if not (0.0 < fraction <= 1.0):
         raise InputError(f"'cache.fraction={fraction}' must be in (0, 1], e.g. cache.fraction=0.25")
     budget = cache.get("budget_bytes")
-    if scope == SCOPES["per_layer"]:
+    if scope == "per_layer":
         if budget is not None:
             raise InputError("'cache.budget_bytes' needs cache.scope=global; per_layer uses cache.fraction")
         per_layer = math.floor(fraction * E)
@@ -117,9 +119,10 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         raise InputError(f"'cache.lfu_decay={decay}' must be in (0, 1] (or null for none)")
     warmup = int(cache.get("warmup_tokens", 0))
     init = _choice(cache["init"], INITS, "cache.init")
-    if init == INITS["frequency"] and warmup < 1:
+    if init == "frequency" and warmup < 1:
         raise InputError("'cache.init=frequency' needs cache.warmup_tokens >= 1")
 
+    reg = registries()
     times = layer_times(hw, model_name, expert_bytes, dense_bytes)
     ram = hw.get("host_ram_bytes")
     params = SimParams(
@@ -129,14 +132,14 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         scope=scope,
         pool_budget_bytes=np.asarray(pool_budget, dtype=np.int64),
         expert_bytes=expert_bytes,
-        eviction=_choice(cache["eviction"], EVICTIONS, "cache.eviction"),
+        eviction=_choice(cache["eviction"], reg["eviction"], "cache.eviction"),
         lfu_decay=float(decay) if decay is not None else 1.0,
         init=init,
-        warmup_tokens=warmup if init == INITS["frequency"] else 0,
+        warmup_tokens=warmup if init == "frequency" else 0,
         protect_ranks=protect,
         tau=tau,
-        miss_action=_choice(policy["miss_action"], MISS_ACTIONS, "policy.miss_action"),
-        substitute_by=_choice(substitute_by, SUBSTITUTE_BY, "policy.substitute_by"),
+        miss_action=_choice(policy["miss_action"], reg["miss_action"], "policy.miss_action"),
+        substitute_by=_choice(substitute_by, reg["substitute"], "policy.substitute_by"),
         beta=float(beta) if beta is not None else math.inf,
         pcie_latency_us=float(hw["pcie"]["latency_us"]),
         pcie_bytes_per_us=float(hw["pcie"]["bandwidth_gbps"]) * 1e3,
@@ -147,36 +150,9 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         nonexpert_us=times.nonexpert_us,
         cpu_expert_us=times.cpu_expert_us,
         seed=int(cfg.get("seed", 0)),
+        options=reg["eviction"].options_of(cache["eviction"], cache),
     )
     return params, substitute_by
-
-
-class LimitedSource:
-    """The first ``max_tokens`` tokens of a trace (rounded up to a whole group)."""
-
-    def __init__(self, source, max_tokens: int):
-        self.source, self.meta, self.max_tokens = source, source.meta, max_tokens
-
-    def _limit(self, chunks):
-        left = self.max_tokens
-        for c in chunks:
-            if left <= 0:
-                return
-            if c.num_tokens <= left:
-                left -= c.num_tokens
-                yield c
-                continue
-            stop = left
-            while stop < c.num_tokens and c.group[stop] == c.group[stop - 1]:
-                stop += 1
-            yield slice_chunk(c, 0, stop)
-            return
-
-    def iter_chunks(self, max_tokens=None):
-        return self._limit(self.source.iter_chunks(max_tokens))
-
-    def iter_chunks_reversed(self, max_tokens=None):
-        return reversed(list(self.iter_chunks(max_tokens)))
 
 
 def open_source(trace_cfg: Mapping):

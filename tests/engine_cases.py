@@ -14,16 +14,10 @@ import numpy as np
 from simulator.engine import simulate, warmup_counts
 from simulator.engine.kernel import KernelSimulator
 from simulator.engine.nextuse import NextUseFile, after_group
-from simulator.engine.params import (
-    EVICTIONS,
-    INITS,
-    MISS_ACTIONS,
-    SCOPES,
-    SUBSTITUTE_BY,
-    SimParams,
-    SimResult,
-)
+from simulator.engine.params import SCOPES, SimParams
 from simulator.engine.reference import ReferenceSimulator
+from simulator.metrics import SimResult
+from simulator.policies.eviction import REGISTRY as EVICTIONS
 from traces.format import PHASE_DECODE, ArraySource, TraceMeta, make_chunk, slice_chunk
 
 BYTES = 90
@@ -82,17 +76,17 @@ def params(meta: TraceMeta, *, budget_experts: int = 3, budget_bytes=None,
         num_layers=L,
         num_experts=meta.num_experts,
         top_k=meta.top_k,
-        scope=SCOPES[scope],
+        scope=scope,
         pool_budget_bytes=np.asarray(budget_bytes, dtype=np.int64),
         expert_bytes=expert_bytes,
-        eviction=EVICTIONS[eviction],
+        eviction=eviction,
         lfu_decay=1.0,
-        init=INITS[init],
+        init=init,
         warmup_tokens=0,
         protect_ranks=protect_ranks,
         tau=tau,
-        miss_action=MISS_ACTIONS[miss_action],
-        substitute_by=SUBSTITUTE_BY[substitute_by],
+        miss_action=miss_action,
+        substitute_by=substitute_by,
         beta=math.inf,
         pcie_latency_us=1.0,
         pcie_bytes_per_us=10.0,
@@ -156,8 +150,8 @@ def random_params(rng: np.random.Generator, meta: TraceMeta, eviction=None, rule
                   scope=None):
     """Random policies and hardware for ``meta`` (unset axes drawn at random)."""
     L, E = meta.num_layers, meta.num_experts
-    eviction = eviction or rng.choice(list(EVICTIONS))
-    scope = scope or rng.choice(list(SCOPES))
+    eviction = eviction or str(rng.choice(list(EVICTIONS)))
+    scope = scope or str(rng.choice(list(SCOPES)))
     expert_bytes = np.asarray(meta.expert_bytes)
     fraction = rng.choice([0.0, 0.25, 0.5, 0.8])
     if scope == "per_layer":
@@ -177,8 +171,8 @@ def random_params(rng: np.random.Generator, meta: TraceMeta, eviction=None, rule
         budget_bytes=budget,
         eviction=eviction,
         substitute_by=substitute_by,
-        miss_action=rng.choice(["substitute", "substitute", "cpu"]),
-        init=rng.choice(["cold", "frequency"]),
+        miss_action=str(rng.choice(["substitute", "substitute", "cpu"])),
+        init=str(rng.choice(["cold", "frequency"])),
         warmup_tokens=int(rng.integers(0, 12)),
         protect_ranks=protect_ranks,
         tau=tau,
@@ -221,7 +215,7 @@ def decide(source, p: SimParams):
     """
     chunk = source.chunk
     sim = ReferenceSimulator(p, source.meta)
-    if p.init == INITS["frequency"]:
+    if p.init == "frequency":
         counts, last_warmup_group = warmup_counts(source, p)
         sim.warm(counts)
         chunk = after_group(chunk, last_warmup_group)
@@ -246,7 +240,7 @@ def residents_after(source, p: SimParams, tokens: int) -> set[int]:
     for engine in (KernelSimulator, ReferenceSimulator):
         with contextlib.ExitStack() as stack:
             next_use = None
-            if p.eviction == EVICTIONS["belady"]:
+            if p.eviction == "belady":
                 next_use = stack.enter_context(NextUseFile(source))
             sim = engine(p, source.meta, None if next_use is None else next_use.first_use)
             sim.run_chunk(slice_chunk(source.chunk, 0, tokens),

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from simulator import calibrate
-from simulator.calibrate import (
+from simulator.gpu import calibrate
+from simulator.gpu.calibrate import (
     Fit,
     build_profile,
     fit_fixed_plus_bandwidth,
@@ -128,7 +128,7 @@ def test_without_a_gpu_it_stops_with_one_line(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU")
-    done = subprocess.run([sys.executable, "-m", "simulator.calibrate", "--out", str(tmp_path / "p.yaml")],
+    done = subprocess.run([sys.executable, "-m", "simulator.gpu.calibrate", "--out", str(tmp_path / "p.yaml")],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from simulator.engine.params import EVICTIONS, MISS_ACTIONS, SUBSTITUTE_BY
 from simulator.hardware import layer_times, validate_profile
 from simulator.run import build_params, compose, model_sizes
 from traces.errors import InputError
@@ -52,15 +51,15 @@ def test_presets_encode_the_papers_rules():
 def test_command_line_overrides_win_over_presets():
     c = cfg("policy=quality_first", "cache.eviction=lru", "admission.beta=0.25", "policy.tau=0.3")
     params, _ = build_params(c, meta())
-    assert params.eviction == EVICTIONS["lru"]
+    assert params.eviction == "lru"
     assert params.beta == 0.25 and params.tau == 0.3
 
 
 def test_substitute_by_auto_follows_logits():
     c = cfg("policy=rule015")
-    assert build_params(c, meta(logits=True))[0].substitute_by == SUBSTITUTE_BY["logit"]
+    assert build_params(c, meta(logits=True))[0].substitute_by == "logit"
     p, name = build_params(c, meta(logits=False))
-    assert p.substitute_by == SUBSTITUTE_BY["frequency"] and name == "frequency"
+    assert p.substitute_by == "frequency" and name == "frequency"
     with pytest.raises(InputError, match="policy.substitute_by"):
         build_params(cfg("policy=rule015", "policy.substitute_by=logit"), meta(logits=False))
 
@@ -109,7 +108,7 @@ def test_model_preset_scales_the_trace_sizes():
 
 def test_cpu_offload_params():
     p, _ = build_params(cfg("policy=cpu_offload"), meta())
-    assert p.miss_action == MISS_ACTIONS["cpu"] and p.warmup_tokens == 256
+    assert p.miss_action == "cpu" and p.warmup_tokens == 256
 
 
 # --- hardware profiles -------------------------------------------------------------------

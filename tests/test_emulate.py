@@ -14,7 +14,9 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, DynamicCache, OlmoeConfig, Qwen3MoeConfig
 
 from analysis import quality
-from simulator.emulate import (
+from simulator.engine import simulate
+from simulator.engine.params import CPU, HIT, SUBSTITUTE
+from simulator.gpu.emulate import (
     DecisionPool,
     Strategy,
     Tokens,
@@ -30,8 +32,6 @@ from simulator.emulate import (
     strategy_params,
     summary_arrays,
 )
-from simulator.engine import simulate
-from simulator.engine.params import CPU, HIT, SUBSTITUTE
 from simulator.run import CONF_DIR, build_params
 from traces.errors import InputError
 from traces.format import open_trace
@@ -320,7 +320,7 @@ def test_pearson_and_bootstrap_helpers():
 
 
 def test_text_from_a_captured_trace(tmp_path):
-    from simulator.emulate import trace_documents
+    from simulator.gpu.emulate import trace_documents
     from traces.format import TraceMeta, TraceWriter
 
     meta = TraceMeta(model="m", num_layers=1, num_experts=4, top_k=2, expert_bytes=[8], domains=["code", "prose"])

@@ -9,13 +9,14 @@ import pytest
 from engine_cases import params as make_params
 from engine_cases import random_params, random_trace, run_both, trace
 
-from simulator.engine import kernel as K
+from simulator.engine import link as K
+from simulator.engine import state as S
+from simulator.engine import structures as D
 from simulator.engine import warmup_counts
 from simulator.engine.kernel import KernelSimulator
 from simulator.engine.nextuse import NextUseFile, after_group
-from simulator.engine.params import EVICTIONS
 from simulator.engine.reference import ReferenceSimulator
-from simulator.policies.eviction import eviction_key
+from simulator.policies.eviction import REGISTRY as EVICTIONS
 from traces.format import PHASE_DECODE, slice_chunk
 
 
@@ -24,14 +25,15 @@ def _groups(chunk):
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _walk(link, ends, p):
+def _walk(lists, p):
     """The entries of list p, head to tail, checking the back links."""
-    out, prev, x = [], -1, int(ends[K.HEAD, p])
+    link, ends = lists.link, lists.ends
+    out, prev, x = [], -1, int(ends[D.HEAD, p])
     while x >= 0:
-        assert link[K.PREV, x] == prev
+        assert link[D.PREV, x] == prev
         out.append(x)
-        prev, x = x, int(link[K.NEXT, x])
-    assert ends[K.TAIL, p] == prev
+        prev, x = x, int(link[D.NEXT, x])
+    assert ends[D.TAIL, p] == prev
     return out
 
 
@@ -39,51 +41,54 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
     """Assert the kernel's structures agree with each other; return the resident set."""
     p_ = sim.params
     L, E = p_.num_layers, p_.num_experts
+    core, link, st = sim.core, sim.link, sim.policy_states[0]
     expert_bytes = np.asarray(p_.expert_bytes)
-    residents = set(np.flatnonzero(sim.resident).tolist())
+    residents = set(np.flatnonzero(core.resident).tolist())
     # per-layer resident lists
     for layer in range(L):
-        n = int(sim.layer_res_n[layer])
-        listed = sim.layer_res[layer, :n].tolist()
+        n = int(core.layer_res_n[layer])
+        listed = core.layer_res[layer, :n].tolist()
         assert sorted(listed) == sorted(x for x in residents if x // E == layer)
-        assert all(sim.res_pos[x] == i for i, x in enumerate(listed))
+        assert all(core.res_pos[x] == i for i, x in enumerate(listed))
     pool_of = sim.layout.pool_of_layer
-    ev = p_.eviction
-    for p in range(sim.pools.shape[0]):
+    policy = EVICTIONS[p_.eviction]
+    for p in range(core.pools.shape[0]):
         members = sorted(x for x in residents if pool_of[x // E] == p)
-        assert sim.pools[p, K.BYTES] == sum(int(expert_bytes[x // E]) for x in members)
-        assert sim.pools[p, K.BYTES] <= sim.pools[p, K.BUDGET]
-        if ev in (EVICTIONS["lru"], EVICTIONS["fifo"]):
-            assert sorted(_walk(sim.link, sim.ends, p)) == members
+        assert core.pools[p, S.BYTES] == sum(int(expert_bytes[x // E]) for x in members)
+        assert core.pools[p, S.BYTES] <= core.pools[p, S.BUDGET]
+        if isinstance(st, D.Lists):
+            assert sorted(_walk(st, p)) == members
             continue
-        off, n = int(sim.pools[p, K.OFFSET]), int(sim.pools[p, K.COUNT])
-        items = sim.items[off : off + n].tolist()
+        order = st.heap if hasattr(st, "heap") else st.slots
+        off, n = int(sim.layout.pool_offset[p]), int(order.count[p])
+        items = order.items[off : off + n].tolist()
         assert sorted(items) == members
-        assert all(sim.slot[x] == i for i, x in enumerate(items))
-        if ev == EVICTIONS["random"]:
+        assert all(order.slot[x] == i for i, x in enumerate(items))
+        if not hasattr(st, "heap"):
             continue
-        keys = [(sim.hkey1[off + i], sim.hkey2[off + i], x) for i, x in enumerate(items)]
+        h = st.heap
+        keys = [(h.hkey1[off + i], h.hkey2[off + i], x) for i, x in enumerate(items)]
         for i in range(1, n):
             assert keys[(i - 1) // 2] < keys[i]  # heap order of the stored keys
+        key1, key2 = policy.heap_keys(core, st)
         for k1, k2, x in keys:
-            actual = (*eviction_key(ev, sim.freq[x], sim.last_use[x], sim.next_step[x]), x)
-            if ev == EVICTIONS["lfu"]:
+            actual = (key1[x], key2[x], x)
+            if policy.LAZY_KEYS:
                 assert (k1, k2, x) <= actual  # lazily refreshed: never ahead of the real key
             else:
                 assert (k1, k2, x) == actual
     # host RAM tier
-    in_ram = np.flatnonzero(sim.in_ram).tolist()
-    assert sorted(_walk(sim.ram_link, sim.ram_ends, 0)) == in_ram
-    assert sim.istate[K.RAM_BYTES] == sum(int(expert_bytes[x // E]) for x in in_ram)
+    in_ram = np.flatnonzero(link.in_ram).tolist()
+    assert sorted(_walk(link.ram, 0)) == in_ram
+    assert link.lstate[K.RAM_BYTES] == sum(int(expert_bytes[x // E]) for x in in_ram)
     if p_.host_ram_budget_bytes >= 0:
-        assert sim.istate[K.RAM_BYTES] <= p_.host_ram_budget_bytes
+        assert link.lstate[K.RAM_BYTES] <= p_.host_ram_budget_bytes
     # queued or in flight <=> pending
     cap = L * E
-    queued = [int(sim.ring_x[K.QUEUE, (sim.istate[K.Q_HEAD] + i) % cap])
-              for i in range(sim.istate[K.Q_LEN])]
-    flying = [int(sim.ring_x[K.DONE, (sim.istate[K.D_HEAD] + i) % cap])
-              for i in range(sim.istate[K.D_LEN])]
-    assert sorted(queued + flying) == np.flatnonzero(sim.pending).tolist()
+    st_ = link.lstate
+    queued = [int(link.ring_x[K.QUEUE, (st_[K.Q_HEAD] + i) % cap]) for i in range(st_[K.Q_LEN])]
+    flying = [int(link.ring_x[K.DONE, (st_[K.D_HEAD] + i) % cap]) for i in range(st_[K.D_LEN])]
+    assert sorted(queued + flying) == np.flatnonzero(link.pending).tolist()
     return residents
 
 
@@ -92,15 +97,15 @@ def test_kernel_structures_stay_consistent(seed):
     """Group by group, the kernel's structures hold and its residents equal the reference's."""
     rng = np.random.default_rng(3 * 10**6 + seed)
     source = random_trace(rng)
-    p = random_params(rng, source.meta, eviction=list(EVICTIONS)[seed % 5])
+    p = random_params(rng, source.meta, eviction=list(EVICTIONS)[seed % len(EVICTIONS)])
     chunk = source.chunk
     with contextlib.ExitStack() as stack:
         last_warmup_group = -1
         counts = None
-        if p.init == 1:
+        if p.init == "frequency":
             counts, last_warmup_group = warmup_counts(source, p)
         next_use = None
-        if p.eviction == EVICTIONS["belady"]:
+        if p.eviction == "belady":
             next_use = stack.enter_context(NextUseFile(source, last_warmup_group))
         first_use = None if next_use is None else next_use.first_use
         fast = KernelSimulator(p, source.meta, first_use)
@@ -126,7 +131,7 @@ def test_pools_within_budget_after_every_step(eviction):
     rng = np.random.default_rng(4 * 10**6 + len(eviction))
     source = random_trace(rng, logits=True)
     p = random_params(rng, source.meta, eviction=eviction, scope="global")
-    p.init = 0
+    p.init = "cold"
     chunk = source.chunk
     with contextlib.ExitStack() as stack:
         next_use = None
@@ -145,9 +150,9 @@ def test_pools_within_budget_after_every_step(eviction):
                     sim.prefill_step(layer, chunk.experts[a:b, layer], nu)
                 for q, members in enumerate(sim.members):
                     assert sim.pool_bytes[q] <= sim.layout.pool_budget_bytes[q]
-                    assert sim.pool_bytes[q] == sum(sim._bytes(x) for x in members)
+                    assert sim.pool_bytes[q] == sum(sim.expert_size(x) for x in members)
                     assert sorted(members) == [
-                        x for x, r in enumerate(sim.resident) if r and sim._pool(x) == q
+                        x for x, r in enumerate(sim.resident) if r and sim.pool_of(x) == q
                     ]
             sim.end_group()
 
@@ -161,6 +166,6 @@ def test_lfu_frequencies_renormalise():
     run_both(source, p)
     sim = KernelSimulator(p, source.meta)
     sim.run_chunk(source.chunk)
-    assert sim.fstate[K.INC] < 1e100
-    assert np.isfinite(sim.freq).all()
+    assert sim.core.fstate[S.INC] < 1e100
+    assert np.isfinite(sim.core.freq).all()
     check_kernel_state(sim)

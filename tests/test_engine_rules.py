@@ -21,7 +21,8 @@ from engine_cases import (
 )
 
 from simulator.engine import simulate
-from simulator.engine.params import CPU, FETCH, FORCED_FETCH, HIT, MASS_BINS, SUBSTITUTE
+from simulator.engine.params import CPU, FETCH, FORCED_FETCH, HIT, SUBSTITUTE
+from simulator.metrics import MASS_BINS
 from traces.errors import InputError
 from traces.format import PHASE_PREFILL
 
@@ -93,7 +94,7 @@ def test_substitute_by_frequency_ties_to_lower_id():
     id (also in the warm fill: 6 is filled before 7)."""
     source = trace([[[4, 5, 6]], [[4, 5, 7]], [[0, 1, 2]]])
     p = params(source.meta, rule="substitute_all", init="frequency", warmup_tokens=2)
-    assert p.substitute_by == 1
+    assert p.substitute_by == "frequency"
     _, steps = decide(source, p)
     assert steps[0][0].substitutes == [4, 5, 6]
     run_both(source, p)
@@ -126,7 +127,7 @@ def test_background_admission_timing_and_reset():
     assert steps[1][0].codes == [S, HIT] and steps[1][0].substitutes == [5, -1]
     assert steps[3][0].codes == [S, HIT]  # 0 is in flight: substituted (by 4), not re-queued
     assert steps[4][0].codes == [HIT, S] and steps[4][0].substitutes == [-1, 5]
-    assert sim.acc[0] == 0.0 and sim.acc[4] == 0.375
+    assert sim.admission.acc[0] == 0.0 and sim.admission.acc[4] == 0.375
 
     r = run_both(source, p)
     assert r.background_enqueued == 1

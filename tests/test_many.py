@@ -10,8 +10,9 @@ from omegaconf import OmegaConf
 
 from simulator.engine import simulate
 from simulator.engine.many import simulate_many
-from simulator.run import LimitedSource, build_params, compose
+from simulator.run import build_params, compose
 from traces.format import open_trace, write_trace
+from traces.sources import LimitedSource
 
 CONFIGS = [
     ["policy=fetch_all", "cache.eviction=lru"],

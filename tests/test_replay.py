@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from simulator import replay
 from simulator.engine import simulate
-from simulator.replay import (
+from simulator.gpu import replay
+from simulator.gpu.replay import (
     NOTES_MARKER,
     compare_runs,
     gap_fit,
@@ -182,7 +182,7 @@ def test_run_without_a_gpu_stops_with_one_line(tmp_path, tiny_trace):
     plan = plan_run(_params(source.meta, "fetch_all", 0.25), source.meta, source.chunk, "r", "fetch_all", 0.25, [])
     save_plans(tmp_path / "p.npz", {"model": "qwen3_next_80b_a3b", "num_layers": 3, "num_experts": 16,
                                     "top_k": 2, "expert_bytes": 6291456}, [plan])
-    done = subprocess.run([sys.executable, "-m", "simulator.replay", "run", "--plan", str(tmp_path / "p.npz"),
+    done = subprocess.run([sys.executable, "-m", "simulator.gpu.replay", "run", "--plan", str(tmp_path / "p.npz"),
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
@@ -194,7 +194,7 @@ def test_batched_expert_kernels_match_float64_in_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
     torch = pytest.importorskip("torch")
-    from simulator.calibrate import check_batched_experts
+    from simulator.gpu.calibrate import check_batched_experts
 
     assert check_batched_experts(256, 128, 3, torch.device("cpu"), torch.bfloat16) < 1e-3
 
@@ -204,7 +204,7 @@ def test_compare_with_a_missing_or_bad_measured_file_stops_with_one_line(tmp_pat
     bad.write_text("{not json")
     for measured in (tmp_path / "missing.json", bad):
         proc = subprocess.run(
-            [sys.executable, "-m", "simulator.replay", "compare", str(measured),
+            [sys.executable, "-m", "simulator.gpu.replay", "compare", str(measured),
              "--profile", "conf/hardware/h200_measured.yaml", "--out", str(tmp_path / "v.md")],
             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120,
         )

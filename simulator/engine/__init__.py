@@ -1,7 +1,10 @@
-"""The simulation engines: ``simulate`` replays a trace through the policies of a SimParams.
+"""The simulation engines and the one loop that drives them over a trace.
 
 ``engine="numba"`` runs :mod:`simulator.engine.kernel`; ``engine="reference"`` runs the
 plain-Python :mod:`simulator.engine.reference`. Both follow docs/semantics.md and agree exactly.
+:func:`simulate` is the loop every tool uses (warm-up, the belady pre-pass, chunks); tools that
+need to see inside a run pass an :class:`~simulator.engine.reference.Observer` (reference
+engine).
 """
 from __future__ import annotations
 
@@ -10,26 +13,38 @@ from collections.abc import Callable
 
 import numpy as np
 
-from simulator.engine.kernel import KernelSimulator
 from simulator.engine.layout import make_layout
 from simulator.engine.nextuse import NextUseFile, after_group
-from simulator.engine.params import (
-    EVICTIONS,
-    INITS,
-    MISS_ACTIONS,
-    SCOPES,
-    SUBSTITUTE_BY,
-    SimParams,
-    SimResult,
-)
-from simulator.engine.reference import ReferenceSimulator, StepDecision
-from simulator.policies.miss_rule import can_leave_misses
+from simulator.engine.params import INITS, SCOPES, SimParams
+from simulator.metrics import SimResult
+from simulator.policies import chosen, registries
 from traces.errors import InputError
 from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 
-ENGINES = {"numba": KernelSimulator, "reference": ReferenceSimulator}
+ENGINES = ("numba", "reference")
 
-__all__ = ["ENGINES", "ReferenceSimulator", "StepDecision", "simulate"]
+__all__ = ["ENGINES", "simulate", "warmup_counts", "check_params", "check_chunk"]
+
+
+def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
+                first_use: np.ndarray | None = None, observer=None):
+    """A fresh simulator of ``engine`` for ``params`` on a trace with ``meta``."""
+    if engine not in ENGINES:
+        raise InputError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "numba":
+        if observer is not None:
+            raise InputError("an observer needs engine=reference (the kernel reports no events)")
+        from simulator.engine.kernel import KernelSimulator
+
+        return KernelSimulator(params, meta, first_use)
+    from simulator.engine.reference import ReferenceSimulator
+
+    return ReferenceSimulator(params, meta, first_use, observer)
+
+
+def needs_next_use(params: SimParams) -> bool:
+    """Whether the eviction policy needs the belady pre-pass (each selection's next use)."""
+    return getattr(registries()["eviction"][params.eviction], "NEEDS_NEXT_USE", False)
 
 
 def simulate(
@@ -39,6 +54,7 @@ def simulate(
     progress: Callable[[int], object] | None = None,
     *,
     chunk_tokens: int | None = None,
+    observer=None,
 ) -> SimResult:
     """Replay a trace through the cache, miss, eviction and admission policies of ``params``.
 
@@ -46,19 +62,19 @@ def simulate(
     groups (optionally ``.iter_chunks_reversed``, used by the belady pre-pass). The trace is
     streamed chunk by chunk (``chunk_tokens`` per chunk; None: the source's default).
     ``progress(tokens_done)`` is called after each chunk with the trace tokens read so far.
+    ``observer``: see :class:`simulator.engine.reference.Observer` (reference engine only).
     """
-    if engine not in ENGINES:
-        raise InputError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
     meta = source.meta
     check_params(params, meta)
     counts, last_warmup_group = None, -1
-    if params.init == INITS["frequency"]:
+    if params.init == "frequency":
         counts, last_warmup_group = warmup_counts(source, params, chunk_tokens)
     with contextlib.ExitStack() as stack:
         next_use = None
-        if params.eviction == EVICTIONS["belady"]:
+        if needs_next_use(params):
             next_use = stack.enter_context(NextUseFile(source, last_warmup_group, chunk_tokens))
-        sim = ENGINES[engine](params, meta, None if next_use is None else next_use.first_use)
+        sim = make_engine(params, meta, engine, None if next_use is None else next_use.first_use,
+                          observer)
         if counts is not None:
             sim.warm(counts)
         tokens_done = 0
@@ -111,28 +127,24 @@ def warmup_counts(source, params: SimParams, chunk_tokens: int | None = None):
 def check_params(params: SimParams, meta: TraceMeta) -> None:
     """Raise InputError where ``params`` cannot run on a trace with ``meta``."""
     make_layout(params, meta)
-    for name, codes in (
-        ("scope", SCOPES),
-        ("eviction", EVICTIONS),
-        ("init", INITS),
-        ("miss_action", MISS_ACTIONS),
-        ("substitute_by", SUBSTITUTE_BY),
-    ):
-        if getattr(params, name) not in codes.values():
-            raise InputError(f"params.{name} = {getattr(params, name)} is not one of {codes}")
+    if params.scope not in SCOPES:
+        raise InputError(f"params.scope = {params.scope!r} is not one of {SCOPES}")
+    if params.init not in INITS:
+        raise InputError(f"params.init = {params.init!r} is not one of {INITS}")
+    reg = registries()
+    for family, name in (("eviction", params.eviction), ("miss_rule", params.miss_rule),
+                         ("miss_action", params.miss_action),
+                         ("substitute", params.substitute_by)):
+        reg[family][name]  # noqa: B018 - raises InputError naming the choices
     if not 0.0 < params.lfu_decay <= 1.0:
         raise InputError(f"lfu_decay must be in (0, 1], got {params.lfu_decay}")
     if params.warmup_tokens < 0:
         raise InputError(f"warmup_tokens must be >= 0, got {params.warmup_tokens}")
-    if (
-        params.substitute_by == SUBSTITUTE_BY["logit"]
-        and params.miss_action == MISS_ACTIONS["substitute"]
-        and can_leave_misses(params.protect_ranks, params.tau, params.top_k)
-        and not meta.has_logits
-    ):
+    substitute = reg["substitute"][chosen(params)["substitute"]]
+    if substitute.NEEDS_LOGITS and not meta.has_logits:
         raise InputError(
-            "substitute_by=logit needs a trace with router logits; this trace has none "
-            "(use substitute_by=frequency)"
+            f"substitute_by={params.substitute_by} needs a trace with router logits; this trace "
+            "has none (use substitute_by=frequency)"
         )
 
 

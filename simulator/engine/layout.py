@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.engine.params import SCOPES, SimParams
+from simulator.engine.params import SimParams
 from traces.errors import InputError
 from traces.format import TraceMeta
 
@@ -33,7 +33,7 @@ def make_layout(params: SimParams, meta: TraceMeta) -> Layout:
             raise InputError(
                 f"params.{name} = {getattr(params, name)} but the trace has {getattr(meta, name)}"
             )
-    per_layer = params.scope == SCOPES["per_layer"]
+    per_layer = params.scope == "per_layer"
     num_pools = L if per_layer else 1
     budget = np.asarray(params.pool_budget_bytes, dtype=np.int64).reshape(-1)
     if budget.shape != (num_pools,):

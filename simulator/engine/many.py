@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from simulator.engine import simulate
-from simulator.engine.params import SimParams, SimResult
+from simulator.engine.params import SimParams
+from simulator.metrics import SimResult
+from traces.sources import LimitedSource
 
 
 def default_workers() -> int:
@@ -27,8 +29,6 @@ def default_workers() -> int:
 def decoded(source):
     """``source`` itself if its chunks come from memory; a Parquet reader's trace cache copy
     (one decode, and no Parquet file shared between threads)."""
-    from simulator.run import LimitedSource
-
     if isinstance(source, LimitedSource):
         return LimitedSource(decoded(source.source), source.max_tokens)
     path = getattr(source, "path", None)

@@ -11,9 +11,9 @@ import tempfile
 
 import numpy as np
 
-from simulator.engine.kernel import kernel_array
+from simulator.engine.state import kernel_array
 from simulator.jit import jit
-from simulator.policies.eviction import NEVER_GROUP
+from simulator.policies.eviction._base import NEVER_GROUP
 from traces.format import TraceChunk, slice_chunk
 
 

@@ -1,2 +1,122 @@
-"""Policy pieces shared by both engines: miss rule, eviction order, background admission, cache
-initialisation. Plain Python functions; the Numba kernel compiles the same functions."""
+"""Policy families, each a registry of variants; one module per variant.
+
+A variant module holds its kernel hooks (Numba, specialised into the engine at compile time:
+:func:`simulator.jit.specialise`) and its reference twin (plain Python) side by side, with the
+same meaning; each family's package docstring lists the hooks. Families:
+
+- ``eviction``: which resident leaves a pool over budget (lru, fifo, lfu, random, belady, ...);
+- ``miss_rule``: which misses are fetched synchronously (threshold: protect_ranks and tau);
+- ``miss_action``: what happens to a miss that is not fetched (substitute, cpu);
+- ``substitute``: which resident runs in place of a missing expert (logit, frequency);
+- ``admission``: background transfers started by substitutions (none, mass: beta).
+
+A variant's own settings are an ``Options`` dataclass in its module (one field per setting,
+with help text); moe-sim exposes them under the family's config section.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from collections.abc import Iterator, Mapping
+from types import ModuleType
+from typing import NamedTuple
+
+from traces.errors import InputError
+
+
+class Registry(Mapping):
+    """The variants of one policy family by name; a variant's module is imported on first use."""
+
+    def __init__(self, family: str, package: str, names: tuple[str, ...]):
+        self.family, self.package, self._names = family, package, names
+
+    def __getitem__(self, name: str) -> ModuleType:
+        if name not in self._names:
+            raise InputError(
+                f"{self.family} '{name}' is not known; choose one of: {', '.join(self._names)}"
+            )
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def option_fields(self) -> list[tuple[dataclasses.Field, type]]:
+        """Every variant's ``Options`` fields with their resolved types (a name belongs to one
+        variant)."""
+        out: dict[str, tuple[dataclasses.Field, type]] = {}
+        for name in self._names:
+            options = getattr(self[name], "Options", None)
+            hints = typing.get_type_hints(options) if options else {}
+            for f in dataclasses.fields(options) if options else ():
+                if f.name in out:
+                    raise RuntimeError(f"{self.family}: option '{f.name}' defined twice")
+                out[f.name] = (f, hints[f.name])
+        return list(out.values())
+
+    def options_of(self, name: str, values: Mapping) -> dict:
+        """The chosen variant's options from ``values`` (a config section), checked against
+        each field's ``min``; missing ones take their defaults."""
+        options = getattr(self[name], "Options", None)
+        if options is None:
+            return {}
+        chosen = {}
+        for f in dataclasses.fields(options):
+            value = values.get(f.name, f.default)
+            low = f.metadata.get("min")
+            if low is not None and (value is None or value < low):
+                section = self.family.split(".")[0]
+                raise InputError(f"'{section}.{f.name}={value}' must be >= {low} "
+                                 f"({f.metadata['help']})")
+            chosen[f.name] = value
+        return chosen
+
+
+class NoState(NamedTuple):
+    """The kernel state of a variant that keeps none."""
+
+
+def no_state(params) -> NoState:
+    return NoState()
+
+
+FAMILIES = ("eviction", "miss_rule", "miss_action", "substitute", "admission")
+
+
+def registries() -> dict[str, Registry]:
+    """Each family's registry, by the name the engines call its hooks under."""
+    from simulator.policies import admission, eviction, miss_action, miss_rule, substitute
+
+    return {"eviction": eviction.REGISTRY, "miss_rule": miss_rule.REGISTRY,
+            "miss_action": miss_action.REGISTRY, "substitute": substitute.REGISTRY,
+            "admission": admission.REGISTRY}
+
+
+def chosen(params) -> dict[str, str]:
+    """The variant of each family that ``params`` (a SimParams) runs.
+
+    Families that cannot act are set to their plainest variant (a rule that fetches every miss
+    never reaches its miss action; the CPU action never substitutes), so equivalent policies
+    share one compiled kernel.
+    """
+    reg = registries()
+    rule = reg["miss_rule"][params.miss_rule]
+    action = params.miss_action
+    leaves = rule.can_leave_misses(rule.make_state(params), params.top_k)
+    substitutes = leaves and reg["miss_action"][action].USES_SUBSTITUTES
+    return {
+        "eviction": params.eviction,
+        "miss_rule": params.miss_rule,
+        "miss_action": action if leaves else "substitute",
+        "substitute": params.substitute_by if substitutes else "frequency",
+        "admission": "mass" if substitutes and params.beta != float("inf") else "none",
+    }
+
+
+def modules(names: Mapping[str, str]) -> dict[str, ModuleType]:
+    """The variant modules of ``names`` (family -> variant), in FAMILIES order."""
+    reg = registries()
+    return {family: reg[family][names[family]] for family in FAMILIES}

@@ -40,11 +40,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from simulator.hardware import validate_profile
+from simulator.models import preset, with_attention_shapes
+from traces.atomic import atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR, InputError
 
 __all__ = [
-    "MODELS",
     "ModelDims",
+    "model_dims",
     "Fit",
     "fit_fixed_plus_bandwidth",
     "validate_profile",
@@ -84,19 +86,24 @@ class ModelDims:
         return (layer + 1) % self.full_attention_interval == 0
 
 
-MODELS: dict[str, ModelDims] = {
-    # Qwen/Qwen3-Next-80B-A3B: 3 Gated DeltaNet layers : 1 gated attention layer.
-    "qwen3_next_80b_a3b": ModelDims(
-        hidden=2048, expert_intermediate=512, num_layers=48, num_experts=512, top_k=10,
-        shared_intermediate=512, heads=16, kv_heads=2, head_dim=256, full_attention_interval=4,
-        linear_k_heads=16, linear_v_heads=32, linear_head_dim=128, gated_attention=True,
-    ),
-    # Qwen/Qwen3-30B-A3B: full attention in every layer, no shared expert.
-    "qwen3_30b_a3b": ModelDims(
-        hidden=2048, expert_intermediate=768, num_layers=48, num_experts=128, top_k=8,
-        shared_intermediate=0, heads=32, kv_heads=4, head_dim=128, full_attention_interval=1,
-    ),
-}
+def model_dims(name: str) -> ModelDims:
+    """The decoder-layer shapes of a model preset (``conf/model/<name>.yaml``, its ``attention``
+    block: the one registry of model shapes, shared with moe-sim)."""
+    p = preset(name)
+    a = p.get("attention")
+    if not a:
+        raise InputError(f"model '{name}' has no attention shapes in conf/model/{name}.yaml; "
+                         f"known: {', '.join(with_attention_shapes())}")
+    return ModelDims(
+        hidden=p["hidden_size"], expert_intermediate=p["moe_intermediate_size"],
+        num_layers=p["num_layers"], num_experts=p["num_experts"], top_k=p["top_k"],
+        shared_intermediate=p.get("shared_intermediate_size") or 0, heads=a["heads"],
+        kv_heads=a["kv_heads"], head_dim=a["head_dim"],
+        full_attention_interval=a["full_attention_interval"],
+        linear_k_heads=a.get("linear_k_heads", 0), linear_v_heads=a.get("linear_v_heads", 0),
+        linear_head_dim=a.get("linear_head_dim", 0),
+        gated_attention=bool(a.get("gated_attention", False)),
+    )
 
 
 def log(msg: str) -> None:
@@ -1100,14 +1107,14 @@ def measure_all(args) -> dict:
     cpu = device.type == "cpu"
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in models:
-        if m not in MODELS:
-            raise InputError(f"--models: unknown model '{m}'; known: {', '.join(MODELS)}")
+        if m not in with_attention_shapes():
+            raise InputError(f"--models: unknown model '{m}'; known: {', '.join(with_attention_shapes())}")
     if cpu:  # tiny shapes: the test path exercises the code, not the host
-        dims = {m: tiny_dims(MODELS[m]) for m in models}
+        dims = {m: tiny_dims(model_dims(m)) for m in models}
         expert_shapes = cpu_shapes = [(64, 32), (128, 64), (256, 64)]
         torch.set_num_threads(1)  # threads only contend at these sizes (CPU experts set their own)
     else:
-        dims = {m: MODELS[m] for m in models}
+        dims = {m: model_dims(m) for m in models}
         model_shapes = {(d.hidden, d.expert_intermediate) for d in dims.values()}
         expert_shapes = sorted(model_shapes | set(_parse_shapes(args.expert_shapes)))
         cpu_shapes = sorted(model_shapes | set(_parse_shapes(args.cpu_expert_shapes)))
@@ -1286,9 +1293,7 @@ def write_profile(profile: dict, samples: dict, out: Path) -> tuple[Path, Path]:
         "Regenerate on the host you model: moe-calibrate --out conf/hardware/<name>.yaml",
     ]
     for path, text in ((out, render_profile_yaml(profile, header)), (side, json.dumps(samples, indent=1, default=str) + "\n")):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write_text(path, text)
     return out, side
 
 
@@ -1298,7 +1303,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     p.add_argument("--device", default="cuda", help="cuda (a GPU host) or cpu (tiny test run)")
     p.add_argument("--dtype", default="bfloat16", help="expert weight dtype (torch name)")
-    p.add_argument("--models", default="qwen3_next_80b_a3b,qwen3_30b_a3b", help=f"models to time, of: {', '.join(MODELS)}")
+    p.add_argument("--models", default="qwen3_next_80b_a3b,qwen3_30b_a3b", help="models to time: presets of conf/model/ with an attention block")
     p.add_argument("--expert-shapes", default="2048x512,2048x768,4096x14336", help="extra HIDDENxINTERMEDIATE expert shapes for the gpu/cpu fits")
     p.add_argument("--cpu-expert-shapes", default="2048x512,4096x1536", help="extra expert shapes for the cpu fit")
     p.add_argument("--expert-mode", choices=tuple(EXPERT_SERIES), default="batched",

@@ -42,17 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from simulator.engine.params import (
-    EVICTIONS,
-    FETCH,
-    FORCED_FETCH,
-    HIT,
-    INITS,
-    SUBSTITUTE,
-    SimParams,
-)
-from simulator.engine.reference import ReferenceSimulator
+from simulator.engine import needs_next_use, simulate
+from simulator.engine.params import FETCH, FORCED_FETCH, HIT, SUBSTITUTE, SimParams
+from simulator.engine.reference import Observer, ReferenceSimulator
 from simulator.run import CONF_DIR, build_params, resolve_path
+from traces.atomic import atomic_output, atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR, InputError
 from traces.format import PHASE_DECODE, TraceMeta
 
@@ -184,7 +178,7 @@ def plain_config(overrides: Sequence[str]) -> dict:
 def strategy_params(strategy: Strategy, meta: TraceMeta) -> SimParams:
     """Engine parameters of one strategy for a model's trace metadata (moe-sim's own resolution)."""
     params, _ = build_params(plain_config(strategy.config_overrides()), meta)
-    if params.eviction == EVICTIONS["belady"]:
+    if needs_next_use(params):
         raise InputError(f"strategy {strategy.label}: eviction=belady needs the future routing, "
                          "which a closed-loop emulation does not have")
     return params
@@ -192,7 +186,7 @@ def strategy_params(strategy: Strategy, meta: TraceMeta) -> SimParams:
 
 def warmup_tokens(params: SimParams) -> int:
     """Tokens run unperturbed before the strategy decides (init=frequency), else 0."""
-    return params.warmup_tokens if params.init == INITS["frequency"] else 0
+    return params.warmup_tokens if params.init == "frequency" else 0
 
 
 # ---- the model side ----------------------------------------------------------------------
@@ -304,29 +298,36 @@ class RowSims:
         return out
 
     def replay(self, rows, warmup, spans, experts, gates, logits, seq, pos, domain) -> Decisions:
-        """Fresh simulators of ``rows``, each driven by the span ``spans[i]`` of one recorded
-        routing (the open loop's decisions); returns decisions [n, span length, L, k].
+        """Each row's strategy replayed by the engine's loop (:func:`simulator.engine.simulate`)
+        over the span ``spans[i]`` of one recorded routing (the open loop's decisions); returns
+        decisions [n, span length, L, k].
 
         experts/gates [T, L, k], logits float16 [T, L, E], seq/pos/domain [T]; the first
         ``warmup[i]`` tokens of a span are not decided (init=frequency warms from them).
         """
-        L, E = self.meta.num_layers, self.meta.num_experts
+        from traces.format import ArraySource, TraceChunk
+
+        L, k = self.meta.num_layers, self.meta.top_k
         n, size = len(rows), spans[0][1] - spans[0][0]
-        out = Decisions(np.full((n, size, L, self.meta.top_k), NOT_DECIDED, np.int8),
-                        np.full((n, size, L, self.meta.top_k), -1, np.int16), np.zeros((n, size, L)))
+        out = Decisions(np.full((n, size, L, k), NOT_DECIDED, np.int8),
+                        np.full((n, size, L, k), -1, np.int16), np.zeros((n, size, L)))
         for i, (r, (a, b)) in enumerate(zip(rows, spans, strict=True)):
-            self.sims[r] = ReferenceSimulator(self.params[r], self.meta)
-            w = int(warmup[i])
-            if w:
-                self.warm([r], selection_counts(experts[a : a + w], E)[None])
-            for t in range(a + w, b):
-                for layer in range(L):
-                    d = self.step([r], layer, experts[t, layer][None], gates[t, layer][None],
-                                  logits[t, layer][None].astype(np.float32),
-                                  seq[t : t + 1], pos[t : t + 1], domain[t : t + 1])
-                    out.codes[i, t - a, layer] = d.codes[0]
-                    out.subs[i, t - a, layer] = d.subs[0]
-                    out.mass[i, t - a, layer] = d.mass[0]
+            if int(warmup[i]) != warmup_tokens(self.params[r]):
+                raise ValueError(f"row {r}: warm-up {warmup[i]} is not its strategy's")
+            T = b - a
+            chunk = TraceChunk(
+                seq=np.asarray(seq[a:b], np.int32), pos=np.asarray(pos[a:b], np.int32),
+                phase=np.full(T, PHASE_DECODE, np.int8), group=np.arange(T, dtype=np.int64),
+                domain=np.asarray(domain[a:b], np.int16), token_id=np.full(T, -1, np.int32),
+                experts=np.ascontiguousarray(experts[a:b]), gates=np.ascontiguousarray(gates[a:b]),
+                logits=np.asarray(logits[a:b], np.float32), residency=np.zeros((0, L, k), np.int8))
+            steps = _StepRecorder()
+            simulate(ArraySource(self.meta, chunk), self.params[r], engine="reference",
+                     observer=steps)
+            for t, layer, d in steps.decisions:
+                out.codes[i, t, layer] = d.codes
+                out.subs[i, t, layer] = d.substitutes
+                out.mass[i, t, layer] = d.mass
         return out
 
     def check(self, rows, records: list[dict], engine: str, paths: list[str | None]) -> list[dict]:
@@ -348,6 +349,16 @@ class RowSims:
                 results.append({"mass": res.mass, "substitutions": res.substitutions,
                                 "hits": res.hits, "fetches": res.fetches})
         return results
+
+
+class _StepRecorder(Observer):
+    """Keeps every decode step's decision: (token, layer, StepDecision)."""
+
+    def __init__(self):
+        self.decisions: list[tuple[int, int, object]] = []
+
+    def on_step(self, group, layer, decision):
+        self.decisions.append((group, layer, decision))
 
 
 def selection_counts(experts: np.ndarray, num_experts: int) -> np.ndarray:
@@ -863,9 +874,8 @@ def write_results(out: Path, em: Emulation, info: dict) -> list[dict]:
     for name, keys in (("results", [k for k in small if not k.startswith(OPEN)]),
                        (OPEN + "loop", [k for k in small if k.startswith(OPEN)])):
         if keys:
-            tmp = out / f"{name}.tmp.npz"
-            np.savez_compressed(tmp, **{k: small[k] for k in keys})
-            tmp.replace(out / f"{name}.npz")
+            with atomic_output(out / f"{name}.npz") as tmp, open(tmp, "wb") as f:
+                np.savez_compressed(f, **{k: small[k] for k in keys})
     doc = {
         **info,
         "meta": asdict(em.meta),
@@ -875,7 +885,7 @@ def write_results(out: Path, em: Emulation, info: dict) -> list[dict]:
         "strategies": [
             {"label": s.label, "name": s.name, "fraction": s.fraction, "overrides": s.config_overrides(),
              "protect_ranks": p.protect_ranks, "tau": _number(p.tau), "beta": _number(p.beta),
-             "eviction": next(n for n, c in EVICTIONS.items() if c == p.eviction),
+             "eviction": p.eviction,
              "resident_per_layer": int(p.pool_budget_bytes[0] // p.expert_bytes[0]),
              "warmup_tokens": warmup_tokens(p)}
             for s, p in zip(em.strategies, em.params, strict=True)
@@ -883,8 +893,7 @@ def write_results(out: Path, em: Emulation, info: dict) -> list[dict]:
         "checks": checks,
         "seconds": {k: round(v, 2) for k, v in (em.seconds or {}).items()},
     }
-    (out / "emulation.tmp.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    (out / "emulation.tmp.json").replace(out / "emulation.json")
+    atomic_write_text(out / "emulation.json", json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return checks
 
 

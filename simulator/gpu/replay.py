@@ -35,16 +35,14 @@ import json
 import statistics
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from simulator.calibrate import (
+from simulator.gpu.calibrate import (
     MIB,
-    MODELS,
     BatchedExperts,
     ExpertKernel,
     ModelDims,
@@ -52,9 +50,12 @@ from simulator.calibrate import (
     capture_graph,
     host_facts,
     import_torch,
+    model_dims,
     resolve_device,
     tiny_dims,
 )
+from simulator.models import with_attention_shapes
+from traces.atomic import atomic_output, atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR, InputError
 from traces.format import PHASE_DECODE
 
@@ -71,52 +72,32 @@ def log(msg: str) -> None:
 
 # engine events, in the order the engine produced them
 _ENQUEUE, _START, _COMPLETE, _INSERT, _EVICT, _BODY = range(6)
+_EVENT_CODES = {"enqueue": _ENQUEUE, "transfer_start": _START, "transfer_done": _COMPLETE,
+                "insert": _INSERT, "evict": _EVICT, "step": _BODY}
 
 
-class _LoggedDeque(deque):
-    """A deque that logs (code, expert) on append / popleft; ``key`` picks the expert of an item."""
+def _plan_recorder():
+    """An engine observer that keeps the cache and link events and each step's decision."""
+    from simulator.engine.reference import Observer
 
-    def __init__(self, log: list, key: int, on_append: int | None, on_popleft: int | None):
-        super().__init__()
-        self._log, self._key, self._on_append, self._on_popleft = log, key, on_append, on_popleft
+    class PlanRecorder(Observer):
+        def __init__(self):
+            self.initial: list[int] = []  # the warm fill, before the first step
+            self.events: list[tuple[int, int]] = []  # (event code, x)
+            self.steps: list[tuple[int, int, int, object]] = []  # (group, layer, first event, decision)
+            self._first = 0
 
-    def append(self, item) -> None:
-        super().append(item)
-        if self._on_append is not None:
-            self._log.append((self._on_append, item[self._key]))
+        def on_event(self, event):
+            if event.step < 0:
+                self.initial.append(event.x)
+            else:
+                self.events.append((_EVENT_CODES[event.kind], event.x))
 
-    def popleft(self):
-        item = super().popleft()
-        if self._on_popleft is not None:
-            self._log.append((self._on_popleft, item[self._key]))
-        return item
+        def on_step(self, group, layer, decision):
+            self.steps.append((group, layer, self._first, decision))
+            self._first = len(self.events)
 
-
-def _recording_engine():
-    """The reference engine with its cache and link changes logged (it only observes)."""
-    from simulator.engine.reference import ReferenceSimulator
-
-    class RecordingSimulator(ReferenceSimulator):
-        def __init__(self, params, meta):
-            super().__init__(params, meta)
-            self.events: list[tuple[int, int]] = []
-            self.queue = _LoggedDeque(self.events, 0, _ENQUEUE, None)  # (x, enqueue time)
-            self.completions = _LoggedDeque(self.events, 1, _START, _COMPLETE)  # (end, x)
-
-        def _insert(self, x, step):
-            super()._insert(x, step)
-            self.events.append((_INSERT, x))
-
-        def _evict(self, x):
-            super()._evict(x)
-            self.events.append((_EVICT, x))
-
-        def _begin_step(self, layer, phase):
-            out = super()._begin_step(layer, phase)
-            self.events.append((_BODY, -1))
-            return out
-
-    return RecordingSimulator
+    return PlanRecorder()
 
 
 @dataclass
@@ -230,49 +211,28 @@ class RunPlan:
 
 
 def plan_run(params, meta, chunk, name: str, policy: str, fraction: float, overrides: list[str]) -> RunPlan:
-    """Run the reference engine step by step and turn its decisions into a :class:`RunPlan`."""
-    from simulator.engine import after_group, warmup_counts
-    from simulator.engine.params import INITS
+    """Run the reference engine over the trace and turn its decisions into a :class:`RunPlan`."""
+    from simulator.engine import simulate
     from traces.format import ArraySource
 
-    Sim = _recording_engine()
-    sim = Sim(params, meta)
-    L, E = meta.num_layers, meta.num_experts
+    rec = _plan_recorder()
+    r = simulate(ArraySource(meta, chunk), params, engine="reference", observer=rec)
+    E = meta.num_experts
     st = dict(slots=_Slots(), slot_of={}, staging={}, next_tid=0)
     initial = []  # (x, slot): the warm cache, copied in before timing starts
-    if params.init == INITS["frequency"]:
-        counts, last_warmup_group = warmup_counts(ArraySource(meta, chunk), params)
-        sim.warm(counts)
-        chunk = after_group(chunk, last_warmup_group)
-        for code, x in sim.events:
-            if code == _INSERT:
-                st["slot_of"][x] = slot = st["slots"].take()
-                initial.append((x, slot))
-    has_logits = chunk.logits.shape[0] > 0
-    raw: list[tuple[int, int, int, object]] = []  # (group, layer, first event index, decision)
-    phases = []
-    bounds = np.flatnonzero(np.diff(chunk.group, prepend=-1, append=-1)).tolist()  # group starts, then T
-    for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        phase = int(chunk.phase[a])
-        phases.append(phase)
-        sim.begin_group(phase, b - a, chunk.group[a], chunk.seq[a:b], chunk.pos[a:b], chunk.domain[a:b])
-        for layer in range(L):
-            first = len(sim.events)
-            if phase == PHASE_DECODE:
-                d = sim.decode_step(layer, chunk.experts[a, layer], chunk.gates[a, layer],
-                                    chunk.logits[a, layer] if has_logits else None)
-            else:
-                d = sim.prefill_step(layer, chunk.experts[a:b, layer])
-            raw.append((g, layer, first, d))
-        sim.end_group()
-    events = sim.events
+    for x in rec.initial:
+        st["slot_of"][x] = slot = st["slots"].take()
+        initial.append((x, slot))
+    phase_of = dict(zip(chunk.group.tolist(), chunk.phase.tolist(), strict=True))
+    events = rec.events
     transferred = _transferred_enqueues(events)
-    steps = []
-    for j, (g, layer, first, d) in enumerate(raw):
-        stop = raw[j + 1][2] if j + 1 < len(raw) else len(events)
+    steps, phases = [], []
+    for j, (group, layer, first, d) in enumerate(rec.steps):
+        if layer == 0:
+            phases.append(phase_of[group])
+        stop = rec.steps[j + 1][2] if j + 1 < len(rec.steps) else len(events)
         indexed = [(k, *events[k]) for k in range(first, stop)]
-        steps.append(_step_ops(g, layer, indexed, transferred, d, E, st))
-    r = sim.result()
+        steps.append(_step_ops(len(phases) - 1, layer, indexed, transferred, d, E, st))
     decode = r.phase == PHASE_DECODE
     counts = dict(
         hits=int(r.hits[decode].sum()), fetches=int(r.fetches[decode].sum()),
@@ -316,9 +276,8 @@ def save_plans(path: Path, header: dict, plans: list[RunPlan]) -> None:
     header = dict(header, version=PLAN_VERSION, runs=runs)
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
-    tmp.replace(path)
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        np.savez_compressed(f, **arrays)
 
 
 def load_plans(path: Path) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
@@ -653,11 +612,9 @@ def cmd_run(args) -> None:
     header, runs = load_plans(Path(args.plan))
     model = header.get("model")
     if args.tiny or device.type == "cpu":
-        dims = tiny_dims(MODELS.get(model, MODELS["qwen3_next_80b_a3b"]))
-    elif model in MODELS:
-        dims = MODELS[model]
+        dims = tiny_dims(model_dims(model if model in with_attention_shapes() else "qwen3_next_80b_a3b"))
     else:
-        raise InputError(f"plan's model '{model}' has no shapes here; known: {', '.join(MODELS)}")
+        dims = model_dims(model)
     dims = dataclasses.replace(dims, num_layers=header["num_layers"], num_experts=header["num_experts"],
                                top_k=header["top_k"])
     dtype = getattr(torch, args.dtype)
@@ -673,7 +630,7 @@ def cmd_run(args) -> None:
     max_n = max(int(np.diff(runs[r["name"]]["experts_off"]).max()) for r in selected)
     mode = args.expert_mode
     if mode == "auto":
-        from simulator.calibrate import batched_available
+        from simulator.gpu.calibrate import batched_available
 
         mode = "batched" if device.type == "cuda" and batched_available() else ("graph" if device.type == "cuda" else "eager")
     ex = None
@@ -735,9 +692,7 @@ def _write_results(outdir: Path, out: dict, rows: list[dict]) -> None:
         wr.writerow([row["policy"], row["fraction"], f"{row['measured_ms_per_token']:.4f}",
                      f"{row['simulated_ms_per_token']:.4f}"])
     for name, text in (("replay.json", json.dumps(out) + "\n"), ("replay.csv", buf.getvalue())):
-        tmp = outdir / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(outdir / name)
+        atomic_write_text(outdir / name, text)
 
 
 # --------------------------------------------------------------------------- comparison

@@ -1,0 +1,147 @@
+"""The Numba engine's named state: one container per concern, created in one place.
+
+- :class:`Consts`: per-run constants (layout, per-layer times, scalars);
+- :class:`CoreState`: the GPU cache every policy shares (residency, per-layer resident lists,
+  pool bytes, step marks, selection frequencies, the clock) and the counters of
+  :mod:`simulator.metrics`;
+- the link and host tiers: :class:`simulator.engine.link.LinkState`;
+- each policy variant's own state: its module's ``State`` (``simulator.policies``).
+
+Kernels receive these whole (no positional lists of arrays) and take only arrays and scalars
+inside them. Residents used in the current step carry ``mark[x] == stamp``; the stamp grows by
+one per step and per background admission, so nothing needs clearing.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from simulator.engine.layout import Layout
+from simulator.engine.params import SimParams
+from simulator.jit import jit
+from simulator.metrics import LAYER, LAYER_SUMS, MASS_BINS, RUN, RunCount
+
+# columns of CoreState.pools[P, 2]
+BUDGET, BYTES = 0, 1
+# CoreState.istate[] entries
+STAMP = 0
+N_ISTATE = 1
+# CoreState.fstate[] entries: the clock, the frequency increment (lfu_decay)
+CLOCK, INC = 0, 1
+N_FSTATE = 2
+
+
+class Consts(NamedTuple):
+    """Per-run constants. Times in microseconds, sizes in bytes."""
+
+    num_experts: int
+    lfu_decay: float
+    pool_of_layer: np.ndarray  # int32[L]
+    pool_offset: np.ndarray  # int64[P]: start of a pool's segment in per-pool slot arrays
+    expert_bytes: np.ndarray  # int64[L]
+    nonexpert_us: np.ndarray  # float64[L]
+    gpu_expert_us: np.ndarray  # float64[L]
+    cpu_expert_us: np.ndarray  # float64[L]
+
+
+class CoreState(NamedTuple):
+    """The shared GPU cache state and the counters, carried between chunks."""
+
+    resident: np.ndarray  # int8[X]
+    layer_res: np.ndarray  # int32[L, E]: residents of each layer, swap-removed
+    layer_res_n: np.ndarray  # int32[L]
+    res_pos: np.ndarray  # int32[X]: position of a resident in its layer's list
+    mark: np.ndarray  # int64[X]: the stamp of the step that last used or selected x
+    freq: np.ndarray  # float64[X]: selection frequency (scaled by INC, docs/semantics.md)
+    pools: np.ndarray  # int64[P, 2]: BUDGET, BYTES
+    istate: np.ndarray  # int64[N_ISTATE]
+    fstate: np.ndarray  # float64[N_FSTATE]
+    uniq: np.ndarray  # int32[X]: scratch, a prefill step's unique experts
+    scratch: np.ndarray  # int32[X]: scratch for policies (ranked substitutes, set-aside victims)
+    layer_counts: np.ndarray  # int64[L, len(LAYER)]: simulator.metrics.LayerCount
+    layer_sums: np.ndarray  # float64[L, len(LAYER_SUMS)]: simulator.metrics.LayerSum
+    run_counts: np.ndarray  # int64[len(RUN)]: simulator.metrics.RunCount
+    mass_hist: np.ndarray  # int64[MASS_BINS + 1]
+
+
+def make_consts(params: SimParams, layout: Layout) -> Consts:
+    def f64(a):
+        return np.ascontiguousarray(a, dtype=np.float64)
+
+    return Consts(
+        num_experts=int(params.num_experts),
+        lfu_decay=float(params.lfu_decay),
+        pool_of_layer=layout.pool_of_layer,
+        pool_offset=layout.pool_offset,
+        expert_bytes=np.ascontiguousarray(params.expert_bytes, dtype=np.int64),
+        nonexpert_us=f64(params.nonexpert_us),
+        gpu_expert_us=f64(params.gpu_expert_us),
+        cpu_expert_us=f64(params.cpu_expert_us),
+    )
+
+
+def make_core_state(params: SimParams, layout: Layout) -> CoreState:
+    L, E = params.num_layers, params.num_experts
+    X = L * E
+    pools = np.zeros((layout.pool_budget_bytes.shape[0], 2), np.int64)
+    pools[:, BUDGET] = layout.pool_budget_bytes
+    fstate = np.zeros(N_FSTATE, np.float64)
+    fstate[INC] = 1.0
+    return CoreState(
+        resident=np.zeros(X, np.int8),
+        layer_res=np.zeros((L, E), np.int32),
+        layer_res_n=np.zeros(L, np.int32),
+        res_pos=np.zeros(X, np.int32),
+        mark=np.zeros(X, np.int64),
+        freq=np.zeros(X, np.float64),
+        pools=pools,
+        istate=np.zeros(N_ISTATE, np.int64),
+        fstate=fstate,
+        uniq=np.zeros(X, np.int32),
+        scratch=np.zeros(X, np.int32),
+        layer_counts=np.zeros((L, len(LAYER)), np.int64),
+        layer_sums=np.zeros((L, len(LAYER_SUMS)), np.float64),
+        run_counts=np.zeros(len(RUN), np.int64),
+        mass_hist=np.zeros(MASS_BINS + 1, np.int64),
+    )
+
+
+@jit(allocates=False)
+def make_resident(core, c, x, layer, p):
+    """The cache bookkeeping of x becoming resident in pool p (the policy orders it apart)."""
+    core.resident[x] = 1
+    n = core.layer_res_n[layer]
+    core.layer_res[layer, n] = x
+    core.res_pos[x] = n
+    core.layer_res_n[layer] = n + 1
+    core.pools[p, BYTES] += c.expert_bytes[layer]
+
+
+@jit(allocates=False)
+def drop(core, c, x, p):
+    """The cache bookkeeping of evicting x (already out of its policy's order structure)."""
+    layer = x // c.num_experts
+    core.resident[x] = 0
+    n = core.layer_res_n[layer] - 1
+    last = core.layer_res[layer, n]
+    core.layer_res[layer, core.res_pos[x]] = last
+    core.res_pos[last] = core.res_pos[x]
+    core.layer_res_n[layer] = n
+    core.pools[p, BYTES] -= c.expert_bytes[layer]
+    core.run_counts[RunCount.EVICTIONS] += 1
+
+
+@jit(allocates=False)
+def over_budget(core, p):
+    return core.pools[p, BYTES] > core.pools[p, BUDGET]
+
+
+def kernel_array(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as a C-contiguous, writable array of ``dtype`` (copied only if it is not one).
+
+    Numba compiles a separate specialisation for read-only arrays (a memory map, an Arrow
+    buffer); a copy of one chunk costs far less than compiling the kernel again.
+    """
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return a if a.flags.writeable else a.copy()

@@ -1,0 +1,29 @@
+"""Eviction: which resident leaves a pool that is over its budget (docs/semantics.md, Cache).
+
+A pool is trimmed at the end of every step (and after a background admission): victims come
+first from residents not used in the step, in the policy's order; only if those run out are used
+ones evicted, again in policy order. One module per policy, with these hooks:
+
+Kernel (jitted; ``core``: :class:`simulator.engine.state.CoreState`, ``st``: the module's own
+``State``, ``c``: :class:`simulator.engine.state.Consts`, x a flat expert id, p its pool, s the
+step ordinal):
+
+- ``make_state(params, layout) -> State`` (Python)
+- ``on_insert(core, st, c, x, p, s)``: x became resident (an insertion is a use)
+- ``on_use(core, st, c, x, p, s)``: a hit or a substitute's use of resident x
+- ``on_select(core, st, c, chunk, t, layer, i, x, p, s)``: the router selected x (token t,
+  rank i), after its frequency rose
+- ``on_group(core, st, c, ch, a, b)``: the group of chunk rows ``a..b-1`` starts
+- ``on_rescale(core, st, c)``: every frequency was divided by the increment (``lfu_decay``)
+- ``trim(core, st, c, p, stamp)``: evict from pool p down to its budget, residents marked
+  ``stamp`` last, each victim through :func:`simulator.engine.state.drop`
+
+Reference twin ``Reference(sim)`` (plain Python, ``sim`` the reference engine): ``on_insert(x,
+step)``, ``on_use(x, step)``, ``on_select(x, layer, step, token, next_group)`` (``token``: the
+token's index in its group), ``on_group(num_tokens)``,
+``on_rescale()``, ``on_evict(x)`` and ``victim(p, pinned) -> x``.
+"""
+from simulator.policies import Registry
+
+REGISTRY = Registry("cache.eviction", __name__,
+                    ("lru", "fifo", "lfu", "random", "belady"))

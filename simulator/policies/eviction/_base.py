@@ -1,0 +1,58 @@
+"""Pieces several eviction policies share: no-op hooks and the reference twins' common parts."""
+from __future__ import annotations
+
+from simulator.engine.structures import make_lists
+from simulator.jit import jit
+
+NEVER_GROUP = 2**31 - 1  # in next-use rows (int32 group ordinals): never selected again
+NEVER_STEP = 2**63 - 1  # next-use step ordinal of an expert that is never selected again
+
+
+def make_pool_lists(params, layout, first_use=None):
+    """One linked list per pool over every expert (the state of list-ordered policies)."""
+    return make_lists(params.num_layers * params.num_experts, layout.pool_budget_bytes.shape[0])
+
+
+@jit(allocates=False)
+def ignore_select(core, st, c, chunk, t, layer, i, x, p, s):
+    pass
+
+
+@jit(allocates=False)
+def ignore_group(core, st, c, ch, a, b):
+    pass
+
+
+@jit(allocates=False)
+def ignore_rescale(core, st, c):
+    pass
+
+
+class ReferenceBase:
+    """Default twin hooks (nothing to do), and the candidates of a victim search."""
+
+    def __init__(self, sim):
+        self.sim = sim
+
+    def on_insert(self, x: int, step: int) -> None:
+        pass
+
+    def on_use(self, x: int, step: int) -> None:
+        pass
+
+    def on_select(self, x: int, layer: int, step: int, token: int, next_group) -> None:
+        pass
+
+    def on_group(self, num_tokens: int) -> None:
+        pass
+
+    def on_rescale(self) -> None:
+        pass
+
+    def on_evict(self, x: int) -> None:
+        pass
+
+    def candidates(self, p: int, pinned: set[int]) -> list[int]:
+        """Pool p's residents not pinned (used in the step), else all of them."""
+        members = self.sim.members[p]
+        return [y for y in members if y not in pinned] or members

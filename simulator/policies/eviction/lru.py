@@ -1,0 +1,53 @@
+"""lru: evict the least recently used resident first.
+
+A use is a hit, a fetch, a substitute's use or an admission; within a step, uses are applied in
+processing order (rank 0 first, a substitute's use right after the miss it replaces). Kernel: a
+doubly linked list per pool, victim end at the head; a use moves the entry to the tail.
+"""
+from __future__ import annotations
+
+import itertools
+
+from simulator.engine.structures import list_append, list_trim, list_unlink
+from simulator.jit import jit
+from simulator.policies.eviction._base import (
+    ReferenceBase,
+    ignore_group,
+    ignore_rescale,
+    ignore_select,
+    make_pool_lists,
+)
+
+on_select, on_group, on_rescale = ignore_select, ignore_group, ignore_rescale
+make_state = make_pool_lists
+
+
+@jit(allocates=False)
+def on_insert(core, st, c, x, p, s):
+    list_append(st, x, p)
+
+
+@jit(allocates=False)
+def on_use(core, st, c, x, p, s):
+    list_unlink(st, x, p)
+    list_append(st, x, p)
+
+
+@jit(allocates=False)
+def trim(core, st, c, p, stamp):
+    list_trim(core, c, st, p, stamp)
+
+
+class Reference(ReferenceBase):
+    def __init__(self, sim):
+        super().__init__(sim)
+        self._ticks = itertools.count(1)
+        self.used = {}
+
+    def on_insert(self, x, step):
+        self.used[x] = next(self._ticks)
+
+    on_use = on_insert
+
+    def victim(self, p, pinned):
+        return min(self.candidates(p, pinned), key=self.used.__getitem__)
