@@ -26,4 +26,4 @@ token's index in its group), ``on_group(num_tokens)``,
 from simulator.policies import Registry
 
 REGISTRY = Registry("cache.eviction", __name__,
-                    ("lru", "fifo", "lfu", "random", "belady", "window_lfu"))
+                    ("lru", "fifo", "lfu", "random", "belady", "window_lfu", "lru2"))
