@@ -280,10 +280,13 @@ def _per_strategy_runs(view: View) -> pl.DataFrame:
 
 
 def _sequence_runs(view: View) -> tuple[pl.DataFrame, list[str]]:
-    """Runs for the sequence plot: SEQUENCE_POLICIES, taking their variants in turn (the first
-    variant of each policy, then the second, ...) up to MAX_SEQUENCE_LINES; and the labels left
-    out."""
-    runs = _per_strategy_runs(view).filter(pl.col(POLICY).is_in(list(SEQUENCE_POLICIES)))
+    """Runs for the sequence plot: SEQUENCE_POLICIES (every policy when none of them but
+    fetch_all ran), taking their variants in turn (the first variant of each policy, then the
+    second, ...) up to MAX_SEQUENCE_LINES; and the labels left out."""
+    runs = _per_strategy_runs(view)
+    preferred = runs.filter(pl.col(POLICY).is_in(list(SEQUENCE_POLICIES)))
+    if preferred.filter(pl.col(POLICY) != "fetch_all").height:
+        runs = preferred
     turn = pl.int_range(pl.len()).over(POLICY)
     runs = runs.with_columns(_turn=turn).sort("_turn", "_order", maintain_order=True)
     kept = runs.head(MAX_SEQUENCE_LINES).sort("_order").drop("_turn")
@@ -401,8 +404,7 @@ def plot_mass_over_tokens(sweep: Sweep, view: View) -> Plot:
     title = "Substituted mass over the token sequence"
     runs, left_out = _sequence_runs(view)
     if runs.height == 0:
-        return Plot("mass_over_tokens", title, None,
-                    f"skipped: needs a successful run of {', '.join(SEQUENCE_POLICIES)}.")
+        return Plot("mass_over_tokens", title, None, "skipped: no successful run.")
     colors = strategy_colors(view.strategies())
     series, absent = [], []
     for row in runs.rows(named=True):
@@ -414,8 +416,10 @@ def plot_mass_over_tokens(sweep: Sweep, view: View) -> Plot:
     absent_note = f"No per_token.parquet in job(s) {', '.join(absent)}. " if absent else ""
     series = [(label, tokens) for label, tokens in series if tokens.height > 0]
     if not series:
-        return Plot("mass_over_tokens", title, None, "skipped: no decode tokens in "
-                    f"per_token.parquet of job(s) {', '.join(runs['job'])}.")
+        return Plot("mass_over_tokens", title, None,
+                    f"skipped: no per_token.parquet in job(s) {', '.join(absent)}." if absent
+                    else "skipped: no decode tokens in per_token.parquet of job(s) "
+                    f"{', '.join(runs['job'])}.")
     switches, kind = _switches(series[0][1])
     n = series[0][1].height
     window = min(n, int(np.clip(n // 100, 8, 512)))

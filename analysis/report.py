@@ -258,9 +258,12 @@ def _one_or_varies(rows: pl.DataFrame, column: str) -> str:
 
 
 def _cache_value(rows: pl.DataFrame, view: View) -> str:
-    size = provenance.cache_text(rows) or (
-        f"scope {_one_or_varies(rows, 'cache.scope')}, "
-        f"cache.fraction {_one_or_varies(rows, 'cache.fraction')} (see the table)")
+    size = provenance.cache_text(rows)
+    if size is None:
+        budgets = provenance.distinct(rows, "cache.budget_bytes")
+        sized_by = "cache.fraction" if budgets in ([], [None]) else "cache.budget_bytes"
+        size = (f"{_one_or_varies(rows, 'cache.scope')}, "
+                f"{sized_by} {_one_or_varies(rows, sized_by)} (see the table)")
     value = f"{size}; eviction {_one_or_varies(rows, 'cache.eviction')}"
     if "cache.eviction" in view.strategy_columns:
         value += " (as the policy presets set it)"
