@@ -466,7 +466,7 @@ def strategy_columns(sweep: Sweep, ok: pl.DataFrame) -> tuple[str, ...]:
     if POLICY not in ok.columns or ok.height == 0:
         return tuple(columns)
     for column in sweep.config_columns:
-        if column in columns or ok[column].n_unique() < 2 or _overridden(column, sweep):
+        if column in columns or ok[column].n_unique() < 2 or overridden(column, sweep):
             continue
         per_policy = ok.group_by(POLICY).agg(pl.col(column).n_unique().alias("n"))
         if per_policy["n"].max() == 1:
@@ -474,7 +474,8 @@ def strategy_columns(sweep: Sweep, ok: pl.DataFrame) -> tuple[str, ...]:
     return tuple(columns)
 
 
-def _overridden(column: str, sweep: Sweep) -> bool:
+def overridden(column: str, sweep: Sweep) -> bool:
+    """Whether the sweep's overrides set ``column`` or a group above it (``cache=global``)."""
     parts = column.split(".")
     prefixes = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
     # A group override ("hardware=rtx3090") is written with "/" for nested groups.

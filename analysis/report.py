@@ -39,6 +39,7 @@ from analysis.collect import (
     format_value,
     is_unmodified_fetch_all,
     make_view,
+    overridden,
     read_sweep,
     speedup_table,
 )
@@ -207,8 +208,8 @@ def _settings_rows(view: View) -> pl.DataFrame:
     return view.ok if view.ok.height else view.labelled.filter(pl.col("status") != MISSING)
 
 
-def _varies(values: list, show=format_value) -> str:
-    return "varies: " + ", ".join(show(v) for v in values) + " (see the table)"
+def _varies(values: list, show=format_value, where: str = "see the table") -> str:
+    return "varies: " + ", ".join(show(v) for v in values) + f" ({where})"
 
 
 def _fixed_settings(sweep: Sweep, view: View) -> list[list[str]]:
@@ -241,8 +242,8 @@ def _fixed_settings(sweep: Sweep, view: View) -> list[list[str]]:
     else:
         hardware_value = provenance.hardware_text(hardware)
     table = [["trace", trace_value], ["model", model_value], ["hardware", hardware_value],
-             ["cache", _cache_value(rows, view)], ["policy", _policy_value(rows)],
-             ["admission", _admission_value(rows)]]
+             ["cache", _cache_value(rows, sweep)], ["policy", _policy_value(rows, sweep)],
+             ["admission", _admission_value(rows, sweep)]]
     others = _other_overrides(sweep)
     if others:
         table.append(["also set", " ".join(f"`{o}`" for o in others)])
@@ -251,43 +252,44 @@ def _fixed_settings(sweep: Sweep, view: View) -> list[list[str]]:
     return table
 
 
-def _one_or_varies(rows: pl.DataFrame, column: str) -> str:
+def _one_or_varies(rows: pl.DataFrame, column: str, sweep: Sweep) -> str:
+    """A column's one value, or its values and who set them: the sweep or the presets."""
     values = provenance.distinct(rows, column)
-    return format_value(values[0]) if len(values) == 1 else "varies: " + ", ".join(
-        format_value(v) for v in values)
+    if len(values) == 1:
+        return format_value(values[0])
+    return _varies(values, where="see the table" if overridden(column, sweep)
+                   else "as the policy presets set it")
 
 
-def _cache_value(rows: pl.DataFrame, view: View) -> str:
+def _cache_value(rows: pl.DataFrame, sweep: Sweep) -> str:
     size = provenance.cache_text(rows)
     if size is None:
         budgets = provenance.distinct(rows, "cache.budget_bytes")
         sized_by = "cache.fraction" if budgets in ([], [None]) else "cache.budget_bytes"
-        size = (f"{_one_or_varies(rows, 'cache.scope')}, "
-                f"{sized_by} {_one_or_varies(rows, sized_by)} (see the table)")
-    value = f"{size}; eviction {_one_or_varies(rows, 'cache.eviction')}"
-    if "cache.eviction" in view.strategy_columns:
-        value += " (as the policy presets set it)"
+        size = (f"{_one_or_varies(rows, 'cache.scope', sweep)}, "
+                f"{sized_by} {_one_or_varies(rows, sized_by, sweep)}")
+    value = f"{size}; eviction {_one_or_varies(rows, 'cache.eviction', sweep)}"
     if provenance.distinct(rows, "cache.lfu_decay") not in ([], [None]):
-        value += f", lfu_decay {_one_or_varies(rows, 'cache.lfu_decay')}"
-    return value + f"; init {_one_or_varies(rows, 'cache.init')}"
+        value += f", lfu_decay {_one_or_varies(rows, 'cache.lfu_decay', sweep)}"
+    return value + f"; init {_one_or_varies(rows, 'cache.init', sweep)}"
 
 
-def _policy_value(rows: pl.DataFrame) -> str:
+def _policy_value(rows: pl.DataFrame, sweep: Sweep) -> str:
     names = provenance.distinct(rows, POLICY)
     if len(names) != 1:
         return "varies: " + ", ".join(map(format_value, names)) + " (one row per strategy)"
     fields = [c for c in rows.columns if c.startswith("policy.") and c != POLICY]
     return f"{format_value(names[0])}: " + ", ".join(
-        f"{c.split('.', 1)[1]}={_one_or_varies(rows, c)}" for c in fields)
+        f"{c.split('.', 1)[1]}={_one_or_varies(rows, c, sweep)}" for c in fields)
 
 
-def _admission_value(rows: pl.DataFrame) -> str:
+def _admission_value(rows: pl.DataFrame, sweep: Sweep) -> str:
     betas = provenance.distinct(rows, BETA)
     if betas == [None]:
         return f"off ({BETA}=null)"
     if len(betas) == 1:
         return f"background admission at {BETA}={format_value(betas[0])}"
-    return f"{BETA} {_varies(betas)}"
+    return f"{BETA} {_one_or_varies(rows, BETA, sweep)}"
 
 
 def _other_overrides(sweep: Sweep) -> list[str]:
