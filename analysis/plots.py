@@ -19,8 +19,8 @@ import polars as pl
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from analysis import provenance
 from analysis.collect import BETA, FRACTION, POLICY, Sweep, View, format_value, with_strategy
-from analysis.provenance import SEPARATOR, context_line
 
 # Settings that change the platform: times do not compare across them, so they get own panels.
 PLATFORM_PREFIXES = ("model.", "hardware.", "trace.")
@@ -78,10 +78,23 @@ def _platform_columns(view: View) -> list[str]:
 
 
 def _panel_title(group: pl.DataFrame, view: View) -> str:
-    """The platform of one panel (``hardware.name=h200``); empty when the platform is fixed."""
+    """The platform of one panel (``hardware h200_measured (measured)``); empty when the
+    platform is fixed."""
     columns = _platform_columns(view)
     titled = [c for c in columns if c in PANEL_TITLES] or columns
-    return describe({c: group[c][0] for c in titled})
+    words = []
+    for column in titled:
+        facts = provenance.fixed_group(group, column.split(".", 1)[0])
+        if column == "hardware.name" and facts is not None:
+            words.append(f"hardware {provenance.hardware_text(facts)}")
+        elif column == "model.name" and facts is not None:
+            words.append(f"model {provenance.model_text(facts)}")
+        elif column == "trace.path" and facts is not None:
+            words.append(f"trace {provenance.trace_name(facts)} "
+                         f"({provenance.trace_shape(facts, short=True)})")
+        else:
+            words.append(f"{column}={format_value(group[column][0])}")
+    return ", ".join(words)
 
 
 def _panels(view: View, rows: pl.DataFrame) -> tuple[list[tuple[str, pl.DataFrame]], str]:
@@ -105,10 +118,10 @@ def _suptitle(fig: Figure, title: str, rows: pl.DataFrame) -> None:
     """The figure's title, and below it what its runs share, broken between its parts where
     one line would be wider than the figure."""
     width = int(fig.get_figwidth() * 72 / (TITLE_POINTS * CHAR_WIDTH))
-    lines, context = [title], context_line(rows)
-    for part in context.split(SEPARATOR) if context else []:
-        if len(lines) > 1 and len(lines[-1]) + len(SEPARATOR) + len(part) <= width:
-            lines[-1] += SEPARATOR + part
+    lines, context = [title], provenance.context_line(rows)
+    for part in context.split(provenance.SEPARATOR) if context else []:
+        if len(lines) > 1 and len(lines[-1]) + len(provenance.SEPARATOR) + len(part) <= width:
+            lines[-1] += provenance.SEPARATOR + part
         else:
             lines.append(part)
     fig.suptitle("\n".join(lines), fontsize=TITLE_POINTS)
@@ -213,7 +226,7 @@ def _line_plot(sweep: Sweep, view: View, rows: pl.DataFrame, *, name: str, title
                 if column in lines.columns:
                     ax.plot(lines["_x"].to_numpy(), lines[column].to_numpy() * scale, **style)
         for ax, (_, y_label, _, sub, from_zero) in zip(panel_axes, LINE_METRICS, strict=True):
-            ax.set_title(f"{sub} ({panel})" if panel else sub, fontsize=10)
+            ax.set_title(f"{sub}\n{panel}" if panel else sub, fontsize=10)
             ax.set_xlabel(x_label)
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
