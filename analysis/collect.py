@@ -16,6 +16,14 @@ The table has one row per job, in job order:
   dotted names, lists left out). A summary key that is also a config column (``engine``) is
   stored as ``result.<key>``; config and result keys that would shadow a meta column get
   ``config.`` / ``result.`` in front. Results are null for jobs that did not succeed.
+- provenance columns ``provenance.trace.*``, ``provenance.model.*``,
+  ``provenance.hardware.*``: what produced the run (``analysis.provenance``), for every job
+  with a readable config.
+
+A summary.json that is not a JSON object, or holds text where a number belongs, is an input
+error (moe-sim writes it atomically, so it was damaged afterwards); an unreadable
+``.hydra/config.yaml`` only fails its job (Hydra writes it as the job starts, and a killed job
+may leave it half written).
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
+from analysis import provenance
 from traces.errors import InputError
 
 OK, FAILED, MISSING = "ok", "failed", "missing"
@@ -46,6 +55,13 @@ PAPER_ORDER = ("fetch_all", "rule015", "first_choice", "substitute_all", "qualit
                "speed_first", "cpu_offload")
 STRATEGY_PREFIXES = ("policy.", "admission.")
 FRACTION = "cache.fraction"
+TAU, PROTECT_RANKS, BETA = "policy.tau", "policy.protect_ranks", "admission.beta"
+# Summary keys read as numbers, and config keys the report computes with.
+NUMERIC_RESULTS = ("tokens", "decode_tokens", "expert_calls", "hits", "hit_rate", "fetches",
+                   "substitutions", "substitution_rate", "first_choice_substitutions",
+                   "mean_mass", "ms_per_token")
+NUMERIC_CONFIG = (FRACTION, TAU, PROTECT_RANKS, BETA)
+WALL_CLOCK_RESULTS = ("sim_seconds",)  # differ between runs of identical configurations
 REFERENCE_FRACTION = 0.25  # the resident share the paper reports
 
 
@@ -59,6 +75,9 @@ class Sweep:
     result_columns: tuple[str, ...]
     # Keys the jobs' overrides set ("policy", "cache.fraction"): what the user swept or fixed.
     override_keys: frozenset[str] = frozenset()
+    provenance_columns: tuple[str, ...] = ()
+    # The sweep's command-line overrides (multirun.yaml; a single run's own); None if unknown.
+    command: tuple[str, ...] | None = None
 
     def result_column(self, key: str) -> str:
         """The table column holding ``summary.json`` key ``key``."""
@@ -74,6 +93,7 @@ class _Run:
     overrides: list[str]
     config: dict[str, Any] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)  # provenance columns
 
 
 def collect_sweep(sweep_dir: str | os.PathLike, *, progress: bool = False) -> pl.DataFrame:
@@ -82,7 +102,8 @@ def collect_sweep(sweep_dir: str | os.PathLike, *, progress: bool = False) -> pl
 
 
 def read_sweep(sweep_dir: str | os.PathLike, *, progress: bool = False) -> Sweep:
-    """Read every run below ``sweep_dir``; raises InputError when there is no run to read.
+    """Read every run below ``sweep_dir``; raises InputError when there is no run to read or a
+    summary.json is damaged (see the module docstring).
 
     ``progress`` shows a bar (jobs read / total) on an interactive stderr for large sweeps.
     """
@@ -98,7 +119,11 @@ def read_sweep(sweep_dir: str | os.PathLike, *, progress: bool = False) -> Sweep
     runs = [read_run(root, run_dir) for run_dir in bar]
     runs += _missing_runs(root, {run.job_num for run in runs})
     runs.sort(key=lambda r: (r.job_num is None, r.job_num or 0, r.job))
-    return _assemble(root, runs)
+    _check_result_types(root, runs)
+    command = _sweep_arguments(root)
+    if command is None and len(run_dirs) == 1:
+        command = runs[0].overrides if runs[0].status != MISSING else None
+    return _assemble(root, runs, command)
 
 
 def find_run_dirs(root: Path) -> list[Path]:
@@ -114,25 +139,27 @@ def find_run_dirs(root: Path) -> list[Path]:
 
 
 def read_run(root: Path, run_dir: Path) -> _Run:
-    """One job's config, results and status; a broken job becomes a failed row, never an error."""
+    """One job's config, results, provenance and status; a failed or unfinished job becomes a
+    failed row. Raises InputError for a damaged summary.json or a config value the report
+    cannot compute with."""
     hydra_dir = run_dir / ".hydra"
     job = run_dir.relative_to(root).as_posix()
     overrides = _read_overrides(hydra_dir / "overrides.yaml")
-    run = _Run(_job_num(hydra_dir / "hydra.yaml", run_dir.name), job, FAILED, None, overrides)
+    job_num, cwd = _job_facts(hydra_dir / "hydra.yaml", run_dir.name)
+    run = _Run(job_num, job, FAILED, None, overrides)
     try:
         run.config = flatten_config(hydra_dir / "config.yaml")
     except Exception as exc:  # any unreadable config fails this job only, not the report
         run.error = f"unreadable .hydra/config.yaml: {_one_line(str(exc))}"
         return run
+    _check_numbers(run.config, NUMERIC_CONFIG, hydra_dir / "config.yaml", job)
     summary, error_txt = run_dir / "summary.json", run_dir / "error.txt"
-    if summary.is_file():
-        try:
-            loaded = json.loads(summary.read_text())
-            if not isinstance(loaded, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as exc:
-            run.error = f"unreadable summary.json: {_one_line(str(exc))}"
-            return run
+    loaded = _read_summary(summary, job) if summary.is_file() else None
+    recorded = loaded.pop("provenance", None) if loaded is not None else None
+    facts = provenance.run_provenance(run.config, recorded, cwd)
+    run.facts = {provenance.column(g, n): v for g, names in facts.items()
+                 for n, v in names.items()}
+    if loaded is not None:
         run.results = _flatten(loaded, keep_lists=False)
         run.status = OK
     elif error_txt.is_file():
@@ -140,6 +167,47 @@ def read_run(root: Path, run_dir: Path) -> _Run:
     else:
         run.error = "no summary.json or error.txt: the job was interrupted or is still running"
     return run
+
+
+def _read_summary(path: Path, job: str) -> dict:
+    fix = f"re-run job {job} (moe-sim writes summary.json) or remove its directory"
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not readable as JSON ({_one_line(str(exc))}); {fix}") from None
+    if not isinstance(loaded, dict):
+        raise InputError(f"{path}: holds a JSON {type(loaded).__name__}, not an object; {fix}")
+    _check_numbers(loaded, NUMERIC_RESULTS, path, job)
+    return loaded
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = _one_line(repr(value))
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_numbers(values: dict[str, Any], keys: Sequence[str], path: Path, job: str) -> None:
+    for key in keys:
+        value = values.get(key)
+        if value is not None and not _is_number(value):
+            raise InputError(f"{path}: '{key}' is {_short(value)}, expected a number or null; "
+                             f"fix the file or re-run job {job}")
+
+
+def _check_result_types(root: Path, runs: list[_Run]) -> None:
+    """A summary key that is a number in some jobs must not be text in others."""
+    numeric = {k for run in runs for k, v in run.results.items() if _is_number(v)}
+    for run in runs:
+        for key in sorted(numeric):
+            value = run.results.get(key)
+            if value is not None and not _is_number(value):
+                path = root / run.job / "summary.json"
+                raise InputError(f"{path}: '{key}' is {_short(value)}, but a number in other "
+                                 f"jobs; fix the file or re-run job {run.job}")
 
 
 def flatten_config(path: Path) -> dict[str, Any]:
@@ -193,14 +261,35 @@ def _read_overrides(path: Path) -> list[str]:
     return [str(item) for item in loaded] if isinstance(loaded, list) else []
 
 
-def _job_num(hydra_yaml: Path, dir_name: str) -> int | None:
+def _job_facts(hydra_yaml: Path, dir_name: str) -> tuple[int | None, str | None]:
+    """(job number, the directory moe-sim ran in) from ``.hydra/hydra.yaml``."""
     try:
-        num = _load_yaml(hydra_yaml)["hydra"]["job"]["num"]
+        hydra_cfg = _load_yaml(hydra_yaml)["hydra"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
-        num = dir_name
+        hydra_cfg = {}
+    num = _get(hydra_cfg, "job", "num")
+    cwd = _get(hydra_cfg, "runtime", "cwd")
     try:
-        return int(num)
+        num = int(dir_name if num is None else num)
     except (TypeError, ValueError):
+        num = None
+    return num, cwd if isinstance(cwd, str) else None
+
+
+def _get(tree: Any, *keys: str) -> Any:
+    for key in keys:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def _sweep_arguments(root: Path) -> list[str] | None:
+    """The sweep's overrides from ``multirun.yaml`` (sweeper params first); None when unknown."""
+    try:
+        hydra_cfg = _load_yaml(root / "multirun.yaml")["hydra"]
+        params = (hydra_cfg.get("sweeper") or {}).get("params") or {}
+        return [f"{k}={v}" for k, v in params.items()] + [
+            str(a) for a in hydra_cfg["overrides"]["task"]]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -210,19 +299,16 @@ def expected_overrides(root: Path) -> list[list[str]] | None:
     Only the basic sweeper's jobs can be listed (it expands a cartesian product); this repeats
     its expansion so that job numbers line up.
     """
-    path = root / "multirun.yaml"
-    if not path.is_file():
+    args = _sweep_arguments(root)
+    if args is None:
         return None
     try:
-        hydra_cfg = _load_yaml(path)["hydra"]
-        sweeper = hydra_cfg.get("sweeper") or {}
+        sweeper = _load_yaml(root / "multirun.yaml")["hydra"].get("sweeper") or {}
         if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
             return None
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        args = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
-        args += [str(a) for a in hydra_cfg["overrides"]["task"]]
         parsed = OverridesParser.create().parse_overrides(args)
         return BasicSweeper.split_arguments(parsed, None)[0]
     except Exception:  # an unexpected multirun.yaml only costs the list of jobs never started
@@ -236,11 +322,11 @@ def _missing_runs(root: Path, present: set[int | None]) -> list[_Run]:
             for num, overrides in enumerate(expected) if num not in present]
 
 
-def _assemble(root: Path, runs: list[_Run]) -> Sweep:
+def _assemble(root: Path, runs: list[_Run], command: list[str] | None) -> Sweep:
     config_keys = _ordered_union(run.config for run in runs)
     result_keys = _ordered_union(run.results for run in runs)
     config_names = {k: CONFIG_PREFIX + k if k in META_COLUMNS else k for k in config_keys}
-    taken = set(META_COLUMNS) | set(config_names.values())
+    taken = set(META_COLUMNS) | set(config_names.values()) | set(provenance.columns())
     result_names = {k: RESULT_PREFIX + k if k in taken else k for k in result_keys}
     series = [
         pl.Series("job_num", [r.job_num for r in runs], dtype=pl.Int64),
@@ -251,9 +337,12 @@ def _assemble(root: Path, runs: list[_Run]) -> Sweep:
     ]
     series += [_series(name, [r.config.get(k) for r in runs]) for k, name in config_names.items()]
     series += [_series(name, [r.results.get(k) for r in runs]) for k, name in result_names.items()]
+    facts = provenance.columns()
+    series += [_series(name, [r.facts.get(name) for r in runs]) for name in facts]
     override_keys = frozenset(_override_key(o) for r in runs for o in r.overrides)
     return Sweep(root, pl.DataFrame(series), tuple(config_names.values()),
-                 tuple(result_names.values()), override_keys)
+                 tuple(result_names.values()), override_keys, facts,
+                 None if command is None else tuple(command))
 
 
 def _ordered_union(dicts: Iterable[dict]) -> list[str]:
@@ -295,6 +384,9 @@ class View:
     - ``setting_columns``: the other config columns whose value varies between runs.
     - ``reference``: the setting shown where a plot needs one run per strategy: the setting
       of actual runs with the cache fraction nearest the paper's 25 %, then with most runs.
+    - ``inert``: per policy, the strategy columns it was swept over that did not change a
+      single result (admission.beta for fetch_all, which never substitutes); labels leave
+      them out, so those runs read as one strategy.
     """
 
     labelled: pl.DataFrame  # the sweep's table plus "strategy" and a sort key "_order"
@@ -302,6 +394,7 @@ class View:
     strategy_columns: tuple[str, ...]
     setting_columns: tuple[str, ...]
     reference: dict[str, Any]
+    inert: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def strategies(self) -> list[str]:
         """Strategy labels present, in the paper's order."""
@@ -322,9 +415,35 @@ def make_view(sweep: Sweep) -> View:
     strategy_cols = strategy_columns(sweep, ok)
     setting_cols = _named_settings(ok, [c for c in sweep.config_columns
                                         if c not in strategy_cols and ok[c].n_unique() > 1])
-    labelled = with_strategy(sweep.table, strategy_cols)
+    inert = inert_columns(sweep, ok, strategy_cols)
+    labelled = with_strategy(sweep.table, strategy_cols, inert)
     ok = labelled.filter(pl.col("status") == OK)
-    return View(labelled, ok, strategy_cols, setting_cols, _reference(ok, setting_cols))
+    return View(labelled, ok, strategy_cols, setting_cols, _reference(ok, setting_cols), inert)
+
+
+def inert_columns(sweep: Sweep, ok: pl.DataFrame,
+                  strategy_cols: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Per policy, the strategy columns it varies over whose value changes none of its
+    results (wall-clock ones aside), judged among runs that agree on every other setting."""
+    if POLICY not in ok.columns or ok.height == 0:
+        return {}
+    compared = [c for c in sweep.result_columns if c not in WALL_CLOCK_RESULTS]
+    if not compared:
+        return {}
+    inert: dict[str, tuple[str, ...]] = {}
+    for (name,), rows in ok.group_by(POLICY, maintain_order=True):
+        found: list[str] = []
+        for column in strategy_cols:
+            if column == POLICY or rows[column].n_unique() < 2:
+                continue
+            keys = [c for c in sweep.config_columns if c != column and c not in found]
+            groups = rows.group_by(keys).agg(pl.len().alias("runs"),
+                                             pl.struct(compared).n_unique().alias("results"))
+            if groups["results"].max() == 1 and groups["runs"].max() > 1:
+                found.append(column)
+        if found:
+            inert[name] = tuple(found)
+    return inert
 
 
 def _named_settings(ok: pl.DataFrame, columns: list[str]) -> tuple[str, ...]:
@@ -347,7 +466,7 @@ def strategy_columns(sweep: Sweep, ok: pl.DataFrame) -> tuple[str, ...]:
     if POLICY not in ok.columns or ok.height == 0:
         return tuple(columns)
     for column in sweep.config_columns:
-        if column in columns or ok[column].n_unique() < 2 or _overridden(column, sweep):
+        if column in columns or ok[column].n_unique() < 2 or overridden(column, sweep):
             continue
         per_policy = ok.group_by(POLICY).agg(pl.col(column).n_unique().alias("n"))
         if per_policy["n"].max() == 1:
@@ -355,24 +474,29 @@ def strategy_columns(sweep: Sweep, ok: pl.DataFrame) -> tuple[str, ...]:
     return tuple(columns)
 
 
-def _overridden(column: str, sweep: Sweep) -> bool:
+def overridden(column: str, sweep: Sweep) -> bool:
+    """Whether the sweep's overrides set ``column`` or a group above it (``cache=global``)."""
     parts = column.split(".")
     prefixes = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
     # A group override ("hardware=rtx3090") is written with "/" for nested groups.
     return any(key.replace("/", ".") in prefixes for key in sweep.override_keys)
 
 
-def with_strategy(table: pl.DataFrame, strategy_cols: Iterable[str]) -> pl.DataFrame:
+def with_strategy(table: pl.DataFrame, strategy_cols: Iterable[str],
+                  inert: dict[str, tuple[str, ...]] | None = None) -> pl.DataFrame:
     """Add ``strategy`` (e.g. ``quality_first (beta=0.25)``) and a hidden sort key ``_order``.
 
-    A label names the policy plus the strategy columns that vary among runs of that policy.
+    A label names the policy plus the strategy columns that vary among runs of that policy,
+    except those ``inert`` lists for it.
     """
     if POLICY not in table.columns:
         return table.with_columns(strategy=pl.lit(None, pl.String), _order=pl.lit(0))
     extra_cols = [c for c in strategy_cols if c != POLICY]
+    inert = inert or {}
     varying: dict[Any, list[str]] = {}
     for (name,), group in table.group_by(POLICY, maintain_order=True):
-        varying[name] = [c for c in extra_cols if group[c].n_unique() > 1]
+        varying[name] = [c for c in extra_cols
+                         if group[c].n_unique() > 1 and c not in inert.get(name, ())]
     labels, orders = [], []
     rows = table.select(POLICY, *extra_cols).rows(named=True)
     for row in rows:
@@ -427,40 +551,52 @@ def _reference(ok: pl.DataFrame, setting_cols: Sequence[str]) -> dict[str, Any]:
     return {c: best[c] for c in setting_cols}
 
 
+def is_unmodified_fetch_all(row: dict[str, Any]) -> bool:
+    """Whether a run is fetch_all as its preset defines it: every miss fetched (policy.tau 0,
+    policy.protect_ranks 0) and no background admission (admission.beta null)."""
+    return (row.get(POLICY) == BASELINE and row.get(TAU, 0.0) == 0
+            and row.get(PROTECT_RANKS, 0) == 0 and row.get(BETA) is None)
+
+
 def speedup_table(sweep: Sweep, view: View | None = None) -> pl.DataFrame:
-    """Each successful run against the fetch_all run with the same non-strategy config.
+    """Each successful run against the unmodified fetch_all run with the same settings.
+
+    The baseline is a run for which :func:`is_unmodified_fetch_all` holds and which has the
+    same value in every config column outside the strategy (trace, model, hardware, cache,
+    ...); the earliest such job when there are several, none when there is none.
 
     Columns: ``job``, the setting columns, ``strategy``, ``ms_per_token``,
     ``speedup`` (baseline ms_per_token / ms_per_token; null without a baseline),
     ``substitution_rate``, ``first_choice_substitutions``, ``mean_mass``, ``hit_rate``,
-    ``baseline_job``. Rows by setting, then strategy in the paper's order.
+    ``baseline_job``, ``shown_as`` (the job standing for all runs with the same setting and
+    strategy label, which have identical results: the baseline among them, else the earliest).
+    Rows by setting, then strategy in the paper's order.
     """
     view = view or make_view(sweep)
     match_cols = [c for c in sweep.config_columns if c not in view.strategy_columns]
     ms = sweep.result_column("ms_per_token")
-    baselines: dict[tuple, list[dict]] = {}
-    if POLICY in view.ok.columns:
-        for row in view.ok.filter(pl.col(POLICY) == BASELINE).rows(named=True):
-            baselines.setdefault(tuple(row[c] for c in match_cols), []).append(row)
-
-    def agreement(row: dict, base: dict) -> int:
-        return sum(row[c] == base[c] for c in view.strategy_columns)
-
-    speedups, baseline_jobs = [], []
+    baselines: dict[tuple, dict] = {}
     for row in view.ok.rows(named=True):
-        # Several fetch_all runs may match (a sweep over beta runs fetch_all at each beta):
-        # take the one sharing most strategy values, the earliest among equals.
-        candidates = baselines.get(tuple(row[c] for c in match_cols), [])
-        base = max(candidates, key=lambda b: agreement(row, b)) if candidates else None
+        if is_unmodified_fetch_all(row):
+            baselines.setdefault(tuple(row[c] for c in match_cols), row)
+    speedups, baseline_jobs, shown_as = [], [], {}
+    for row in view.ok.rows(named=True):
+        base = baselines.get(tuple(row[c] for c in match_cols))
         ok_times = base is not None and base.get(ms) is not None and row.get(ms)
         speedups.append(base[ms] / row[ms] if ok_times else None)
         baseline_jobs.append(base["job"] if base is not None else None)
+        key = (*(row[c] for c in view.setting_columns), row["strategy"])
+        if key not in shown_as or (base is not None and base["job"] == row["job"]):
+            shown_as[key] = row["job"]
     results = [sweep.result_column(k) for k in ("ms_per_token", "substitution_rate",
                                                  "first_choice_substitutions", "mean_mass",
                                                  "hit_rate")]
-    table = view.ok.with_columns(pl.Series("speedup", speedups, dtype=pl.Float64),
-                                 pl.Series("baseline_job", baseline_jobs, dtype=pl.String))
+    table = view.ok.with_columns(
+        pl.Series("speedup", speedups, dtype=pl.Float64),
+        pl.Series("baseline_job", baseline_jobs, dtype=pl.String),
+        pl.Series("shown_as", [shown_as[(*(r[c] for c in view.setting_columns), r["strategy"])]
+                               for r in view.ok.rows(named=True)], dtype=pl.String))
     keep = ["job", *view.setting_columns, "strategy",
-            *(c for c in results if c in table.columns), "speedup", "baseline_job"]
+            *(c for c in results if c in table.columns), "speedup", "baseline_job", "shown_as"]
     sort_cols = [*view.setting_columns, "_order", "job_num"]
     return table.sort(sort_cols, nulls_last=True).select(keep)

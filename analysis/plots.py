@@ -2,7 +2,9 @@
 
 Each ``plot_*`` function returns a :class:`Plot`; when the sweep lacks what a figure needs,
 ``figure`` is None and ``note`` says why. Per-layer and per-token figures read
-``per_layer.parquet`` / ``per_token.parquet`` from the run directories.
+``per_layer.parquet`` / ``per_token.parquet`` from the run directories. Every title carries a
+second line naming what its runs share (trace and shape, model, hardware, cache; see
+``analysis.provenance.context_line``).
 """
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ import polars as pl
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from analysis.collect import FRACTION, POLICY, Sweep, View, format_value
+from analysis import provenance
+from analysis.collect import BETA, FRACTION, POLICY, Sweep, View, format_value, with_strategy
 
 # Settings that change the platform: times do not compare across them, so they get own panels.
 PLATFORM_PREFIXES = ("model.", "hardware.", "trace.")
 PANEL_TITLES = ("model.name", "hardware.name", "trace.path")
 MAX_PANELS = 6
 MARKERS = "osD^vPX"
+FRONT_STYLES = ("--", ":", "-.", (0, (6, 2, 1, 2, 1, 2)), (0, (1, 1)), (0, (8, 3)))
+MAX_SWITCH_LINES = 40  # more switches than this are drawn as ticks, not full-height lines
 SEQUENCE_POLICIES = ("fetch_all", "rule015", "quality_first")
 MAX_SEQUENCE_LINES = 6
 MAX_PLOT_POINTS = 4000  # per line: more is invisible at figure resolution
@@ -72,13 +77,32 @@ def _platform_columns(view: View) -> list[str]:
     return [c for c in view.setting_columns if c.startswith(PLATFORM_PREFIXES)]
 
 
+def _panel_title(group: pl.DataFrame, view: View) -> str:
+    """The platform of one panel (``hardware h200_measured (measured)``); empty when the
+    platform is fixed."""
+    columns = _platform_columns(view)
+    titled = [c for c in columns if c in PANEL_TITLES] or columns
+    words = []
+    for column in titled:
+        facts = provenance.fixed_group(group, column.split(".", 1)[0])
+        if column == "hardware.name" and facts is not None:
+            words.append(f"hardware {provenance.hardware_text(facts)}")
+        elif column == "model.name" and facts is not None:
+            words.append(f"model {provenance.model_text(facts)}")
+        elif column == "trace.path" and facts is not None:
+            words.append(f"trace {provenance.trace_name(facts)} "
+                         f"({provenance.trace_shape(facts, short=True)})")
+        else:
+            words.append(f"{column}={format_value(group[column][0])}")
+    return ", ".join(words)
+
+
 def _panels(view: View, rows: pl.DataFrame) -> tuple[list[tuple[str, pl.DataFrame]], str]:
     """Split rows by platform (model, hardware, trace); titles name the platform."""
     columns = _platform_columns(view)
     if not columns:
         return [("", rows)], ""
-    titled = [c for c in columns if c in PANEL_TITLES] or columns
-    groups = [(describe({c: group[c][0] for c in titled}), group)
+    groups = [(_panel_title(group, view), group)
               for _, group in rows.group_by(columns, maintain_order=True)]
     if len(groups) <= MAX_PANELS:
         return groups, ""
@@ -86,8 +110,32 @@ def _panels(view: View, rows: pl.DataFrame) -> tuple[list[tuple[str, pl.DataFram
                                  f"combinations; the first {MAX_PANELS} are shown.")
 
 
+TITLE_POINTS = 10.5
+CHAR_WIDTH = 0.55  # of the font size: an average character of the default sans-serif font
+
+
+def _suptitle(fig: Figure, title: str, rows: pl.DataFrame) -> None:
+    """The figure's title, and below it what its runs share, broken between its parts where
+    one line would be wider than the figure."""
+    width = int(fig.get_figwidth() * 72 / (TITLE_POINTS * CHAR_WIDTH))
+    lines, context = [title], provenance.context_line(rows)
+    for part in context.split(provenance.SEPARATOR) if context else []:
+        if len(lines) > 1 and len(lines[-1]) + len(provenance.SEPARATOR) + len(part) <= width:
+            lines[-1] += provenance.SEPARATOR + part
+        else:
+            lines.append(part)
+    fig.suptitle("\n".join(lines), fontsize=TITLE_POINTS)
+
+
+def _size_label(group: dict[str, Any]) -> str:
+    """``cache 25 %`` for a cache fraction; other settings as overrides."""
+    return ", ".join(f"cache {100 * v:.3g} %" if c == FRACTION and isinstance(v, float)
+                     else f"{c}={format_value(v)}" for c, v in group.items())
+
+
 def plot_time_vs_mass(sweep: Sweep, view: View) -> Plot:
-    """Time per decode token against mean substituted mass, one point per run, Pareto front."""
+    """Time per decode token against mean substituted mass, one point per run, and one Pareto
+    front per cache size (per combination of the varied settings other than the platform)."""
     title = "Time per token vs substituted gate mass"
     ms, mass = sweep.result_column("ms_per_token"), sweep.result_column("mean_mass")
     has_columns = {ms, mass} <= set(view.ok.columns)
@@ -97,23 +145,33 @@ def plot_time_vs_mass(sweep: Sweep, view: View) -> Plot:
                     "ms_per_token and mean_mass.")
     panels, note = _panels(view, rows)
     colors = strategy_colors(view.strategies())
-    variant_cols = [c for c in view.setting_columns if c not in _platform_columns(view)]
-    variants = rows.select(variant_cols).unique(maintain_order=True).rows() if variant_cols else []
-    markers = {v: MARKERS[i] for i, v in enumerate(variants)} if 1 < len(variants) <= len(
-        MARKERS) else {}
-    fig = _figure(4.8 * len(panels) + 2.6, 4.6)
+    front_cols = [c for c in view.setting_columns if c not in _platform_columns(view)]
+    fronts = (rows.select(front_cols).unique().sort(front_cols, nulls_last=True).rows()
+              if front_cols else [()])
+    style = {front: (MARKERS[i % len(MARKERS)], FRONT_STYLES[i % len(FRONT_STYLES)],
+                     str(round(0.15 + 0.45 * i / max(1, len(fronts) - 1), 2)))
+             for i, front in enumerate(fronts)}
+    fig = _figure(4.8 * len(panels) + 2.8, 4.8)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (panel, group) in zip(axes, panels, strict=True):
-        x, y = group[mass].to_numpy(), group[ms].to_numpy()
-        for row, xi, yi in zip(group.rows(named=True), x, y, strict=True):
-            variant = tuple(row[c] for c in variant_cols)
-            ax.scatter(xi, yi, color=colors[row["strategy"]], marker=markers.get(variant, "o"),
-                       s=46, zorder=3, edgecolors="white", linewidths=0.6)
-        front = pareto_front(x, y)
-        order = np.argsort(x[front])
-        ax.plot(x[front][order], y[front][order], color="0.25", ls="--", lw=1, zorder=2)
-        ax.scatter(x[front], y[front], s=150, facecolors="none", edgecolors="black",
-                   linewidths=1.2, zorder=4)
+        for front in fronts:
+            members = group
+            for column, value in zip(front_cols, front, strict=True):
+                members = members.filter(pl.col(column).is_null() if value is None
+                                         else pl.col(column) == value)
+            if members.height == 0:
+                continue
+            marker, line, shade = style[front]
+            x, y = members[mass].to_numpy(), members[ms].to_numpy()
+            ax.scatter(x, y, c=[colors[s] for s in members["strategy"]], marker=marker, s=46,
+                       zorder=3, edgecolors="white", linewidths=0.6)
+            on_front = pareto_front(x, y)
+            order = np.argsort(x[on_front])
+            ax.plot(x[on_front][order], y[on_front][order], color=shade, ls=line, lw=1.2,
+                    zorder=2)
+            ax.scatter(x[on_front], y[on_front], s=150, marker=marker, facecolors="none",
+                       edgecolors="black", linewidths=1.1, zorder=4)
+        x = group[mass].to_numpy()
         ax.set_xlabel(f"{MASS_LABEL}\n(sum of normalised gate weights, 0-1)")
         ax.set_ylabel("time per decode token (ms)")
         ax.set_title(f"{panel or 'all runs'} (lower left is better)", fontsize=10)
@@ -121,61 +179,111 @@ def plot_time_vs_mass(sweep: Sweep, view: View) -> Plot:
         ax.set_xlim(left=min(0.0, float(x.min())) - 0.02 * max(float(x.max()), 1e-3))
         ax.grid(alpha=0.3)
     handles = [Line2D([], [], ls="", marker="o", color=colors[s], label=s) for s in colors]
-    handles += [Line2D([], [], ls="--", marker="o", markersize=11, markerfacecolor="none",
-                       markeredgecolor="black", color="0.25", label="Pareto front")]
-    handles += [Line2D([], [], ls="", marker=m, color="0.45",
-                       label=describe(dict(zip(variant_cols, v, strict=True))))
-                for v, m in markers.items()]
+    for front, (marker, line, shade) in style.items():
+        label = _size_label(dict(zip(front_cols, front, strict=True)))
+        handles.append(Line2D([], [], ls=line, marker=marker, markersize=9, color=shade,
+                              markerfacecolor="none", markeredgecolor="black",
+                              label=f"Pareto front, {label}" if label else "Pareto front"))
     fig.legend(handles=handles, loc="outside right center", fontsize=8, title="strategy",
                title_fontsize=9)
-    fig.suptitle(f"{title}, one point per run")
-    return Plot("time_vs_mass", title, fig, note or "Circled points form the Pareto front: "
-                "no other run is both faster and substitutes less gate mass.")
+    _suptitle(fig, f"{title}, one point per run", rows)
+    per = f" of its {' and '.join(front_cols)}" if front_cols else ""
+    return Plot("time_vs_mass", title, fig, (note + f" Circled points form the Pareto front{per}: "
+                "no other run there is both faster and substitutes less gate mass.").strip())
+
+
+# The metrics drawn against a swept setting: (summary key, axis label, scale, panel title,
+# whether the axis starts at 0; hit rates differ by a few percent and get a zoomed axis).
+LINE_METRICS = (
+    ("ms_per_token", "time per decode token (ms)", 1.0, "time per decode token", True),
+    ("mean_mass", "mass per token-layer (0-1)", 1.0, "mean substituted gate mass", True),
+    ("hit_rate", "hit rate (% of expert calls)", 100.0, "decode hit rate", False),
+)
+
+
+def _line_plot(sweep: Sweep, view: View, rows: pl.DataFrame, *, name: str, title: str,
+               x_column: str, x_label: str, x_of: dict[Any, float],
+               ticks: dict[float, str] | None, fixed: dict[str, Any]) -> Plot:
+    """Each metric of LINE_METRICS against ``x_column``, one line per ``strategy`` of
+    ``rows``, one row of panels per platform; ``x_of`` places each value on the x axis."""
+    panels, note = _panels(view, rows)
+    labels = rows.sort("_order")["strategy"].unique(maintain_order=True).to_list()
+    colors = strategy_colors(view.strategies())  # the colours of the other figures
+    if not set(labels) <= set(colors):
+        colors = strategy_colors(labels)
+    markers = {label: MARKERS[i % len(MARKERS)] for i, label in enumerate(labels)}
+    fig = _figure(14, 3.9 * len(panels))
+    axes = fig.subplots(len(panels), len(LINE_METRICS), squeeze=False)
+    for panel_axes, (panel, group) in zip(axes, panels, strict=True):
+        for (label,), lines in group.sort("_order").group_by("strategy", maintain_order=True):
+            lines = lines.with_columns(_x=pl.col(x_column).replace_strict(
+                x_of, default=None, return_dtype=pl.Float64)).sort("_x")
+            # Strategies with equal values overlap: markers and some transparency tell them apart.
+            style = {"color": colors[label], "marker": markers[label], "ms": 5, "alpha": 0.85,
+                     "label": label}
+            for ax, (key, _, scale, _, _) in zip(panel_axes, LINE_METRICS, strict=True):
+                column = sweep.result_column(key)
+                if column in lines.columns:
+                    ax.plot(lines["_x"].to_numpy(), lines[column].to_numpy() * scale, **style)
+        for ax, (_, y_label, _, sub, from_zero) in zip(panel_axes, LINE_METRICS, strict=True):
+            ax.set_title(f"{sub}\n{panel}" if panel else sub, fontsize=10)
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(y_label)
+            ax.grid(alpha=0.3)
+            if ticks is not None:
+                ax.set_xticks(list(ticks), list(ticks.values()))
+            if from_zero:
+                _zero_visible(ax)
+            else:  # a share in percent: never above 100
+                ax.set_ylim(top=min(100.0, ax.get_ylim()[1]))
+    handles, legend_labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, legend_labels, loc="outside right upper", fontsize=8, title="strategy",
+               title_fontsize=9)
+    _suptitle(fig, title, rows)
+    fixed_note = f"Other settings fixed at {describe(fixed)}. " if fixed else ""
+    return Plot(name, title, fig, (fixed_note + note).strip())
 
 
 def plot_cache_fraction(sweep: Sweep, view: View) -> Plot:
-    """Hit rate and time per token against cache fraction, one line per strategy."""
-    title = "Hit rate and time per token vs cache size"
-    ms, hit = sweep.result_column("ms_per_token"), sweep.result_column("hit_rate")
+    """Time per token, substituted mass and hit rate against cache fraction, one line per
+    strategy."""
+    title = "Time per token, substituted mass and hit rate vs cache size"
     if FRACTION not in view.setting_columns:
         return Plot("cache_fraction", title, None,
                     f"skipped: the sweep has one {FRACTION} value only; sweep "
                     f"{FRACTION}=0.1,0.25,0.5 to see this plot.")
     panel_cols = _platform_columns(view)
     rows = view.at_reference(exclude=[FRACTION, *panel_cols])
-    panels, note = _panels(view, rows)
+    fractions = [f for f in rows[FRACTION].unique().to_list() if f is not None]
     fixed = {c: v for c, v in view.reference.items() if c not in (FRACTION, *panel_cols)}
-    colors = strategy_colors(view.strategies())
-    fig = _figure(11, 3.8 * len(panels))
-    axes = fig.subplots(len(panels), 2, squeeze=False)
-    markers = {label: MARKERS[i % len(MARKERS)] for i, label in enumerate(colors)}
-    for (ax_hit, ax_ms), (panel, group) in zip(axes, panels, strict=True):
-        for (label,), lines in group.sort("_order", FRACTION).group_by("strategy",
-                                                                         maintain_order=True):
-            x = lines[FRACTION].to_numpy() * 100
-            # Strategies with equal hit rates overlap: markers and some transparency tell them apart.
-            style = {"color": colors[label], "marker": markers[label], "ms": 5, "alpha": 0.85,
-                     "label": label}
-            if hit in lines.columns:
-                ax_hit.plot(x, lines[hit].to_numpy() * 100, **style)
-            if ms in lines.columns:
-                ax_ms.plot(x, lines[ms].to_numpy(), **style)
-        suffix = f" ({panel})" if panel else ""
-        ax_hit.set_title(f"decode hit rate{suffix}", fontsize=10)
-        ax_ms.set_title(f"time per decode token{suffix}", fontsize=10)
-        ax_hit.set_ylabel("hit rate (% of expert calls)")
-        ax_ms.set_ylabel("time per decode token (ms)")
-        for ax in (ax_hit, ax_ms):
-            ax.set_xlabel("cache size (% of expert weights resident)")
-            ax.grid(alpha=0.3)
-        ax_ms.set_ylim(bottom=0)
-        ax_hit.set_ylim(top=min(100.0, ax_hit.get_ylim()[1]))
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8, title="strategy",
-               title_fontsize=9)
-    fig.suptitle(title)
-    fixed_note = f"Other settings fixed at {describe(fixed)}. " if fixed else ""
-    return Plot("cache_fraction", title, fig, (fixed_note + note).strip())
+    return _line_plot(sweep, view, rows, name="cache_fraction", title=title, x_column=FRACTION,
+                      x_label="cache size (% of expert weights resident)",
+                      x_of={f: 100 * f for f in fractions}, ticks=None, fixed=fixed)
+
+
+def plot_beta(sweep: Sweep, view: View) -> Plot:
+    """Time per token, substituted mass and hit rate against admission.beta, one line per
+    strategy apart from beta; admission off (beta null) sits right of the largest beta."""
+    title = "Time per token, substituted mass and hit rate vs admission beta"
+    swept = BETA in view.ok.columns and view.ok.height and view.ok.group_by(POLICY).agg(
+        pl.col(BETA).n_unique().alias("n"))["n"].max() > 1
+    if not swept:
+        return Plot("beta", title, None,
+                    f"skipped: no policy runs at more than one {BETA}; sweep e.g. "
+                    f"policy=quality_first {BETA}=null,0.25,0.5,1.0 to see this plot.")
+    panel_cols = _platform_columns(view)
+    rows = view.at_reference(exclude=panel_cols).drop("strategy", "_order")
+    rows = with_strategy(rows, [c for c in view.strategy_columns if c != BETA], view.inert)
+    betas = sorted(b for b in rows[BETA].unique().to_list() if b is not None)
+    x_of = {b: float(i) for i, b in enumerate(betas)}
+    ticks = {x: format_value(b) for b, x in x_of.items()}
+    if rows[BETA].null_count():
+        x_of[None] = float(len(betas))
+        ticks[float(len(betas))] = "off\n(null)"
+    fixed = {c: v for c, v in view.reference.items() if c not in panel_cols}
+    return _line_plot(sweep, view, rows, name="beta", title=title, x_column=BETA,
+                      x_label=f"{BETA} (off: no background admission)",
+                      x_of=x_of, ticks=ticks, fixed=fixed)
 
 
 def _per_strategy_runs(view: View) -> pl.DataFrame:
@@ -185,10 +293,13 @@ def _per_strategy_runs(view: View) -> pl.DataFrame:
 
 
 def _sequence_runs(view: View) -> tuple[pl.DataFrame, list[str]]:
-    """Runs for the sequence plot: SEQUENCE_POLICIES, taking their variants in turn (the first
-    variant of each policy, then the second, ...) up to MAX_SEQUENCE_LINES; and the labels left
-    out."""
-    runs = _per_strategy_runs(view).filter(pl.col(POLICY).is_in(list(SEQUENCE_POLICIES)))
+    """Runs for the sequence plot: SEQUENCE_POLICIES (every policy when none of them but
+    fetch_all ran), taking their variants in turn (the first variant of each policy, then the
+    second, ...) up to MAX_SEQUENCE_LINES; and the labels left out."""
+    runs = _per_strategy_runs(view)
+    preferred = runs.filter(pl.col(POLICY).is_in(list(SEQUENCE_POLICIES)))
+    if preferred.filter(pl.col(POLICY) != "fetch_all").height:
+        runs = preferred
     turn = pl.int_range(pl.len()).over(POLICY)
     runs = runs.with_columns(_turn=turn).sort("_turn", "_order", maintain_order=True)
     kept = runs.head(MAX_SEQUENCE_LINES).sort("_order").drop("_turn")
@@ -240,7 +351,7 @@ def plot_layer_heatmaps(sweep: Sweep, view: View) -> Plot:
         ax.set_xlabel("MoE layer")
         ax.set_title(sub, fontsize=10)
         fig.colorbar(image, ax=ax, label=bar_label, pad=0.01)
-    fig.suptitle(f"{title} (decode steps)")
+    _suptitle(fig, f"{title} (decode steps)", runs)
     absent_note = f"No per_layer.parquet in job(s) {', '.join(absent)}." if absent else ""
     return Plot("layer_heatmap", title, fig, (_reference_note(view) + absent_note).strip())
 
@@ -306,8 +417,7 @@ def plot_mass_over_tokens(sweep: Sweep, view: View) -> Plot:
     title = "Substituted mass over the token sequence"
     runs, left_out = _sequence_runs(view)
     if runs.height == 0:
-        return Plot("mass_over_tokens", title, None,
-                    f"skipped: needs a successful run of {', '.join(SEQUENCE_POLICIES)}.")
+        return Plot("mass_over_tokens", title, None, "skipped: no successful run.")
     colors = strategy_colors(view.strategies())
     series, absent = [], []
     for row in runs.rows(named=True):
@@ -319,8 +429,10 @@ def plot_mass_over_tokens(sweep: Sweep, view: View) -> Plot:
     absent_note = f"No per_token.parquet in job(s) {', '.join(absent)}. " if absent else ""
     series = [(label, tokens) for label, tokens in series if tokens.height > 0]
     if not series:
-        return Plot("mass_over_tokens", title, None, "skipped: no decode tokens in "
-                    f"per_token.parquet of job(s) {', '.join(runs['job'])}.")
+        return Plot("mass_over_tokens", title, None,
+                    f"skipped: no per_token.parquet in job(s) {', '.join(absent)}." if absent
+                    else "skipped: no decode tokens in per_token.parquet of job(s) "
+                    f"{', '.join(runs['job'])}.")
     switches, kind = _switches(series[0][1])
     n = series[0][1].height
     window = min(n, int(np.clip(n // 100, 8, 512)))
@@ -338,14 +450,11 @@ def plot_mass_over_tokens(sweep: Sweep, view: View) -> Plot:
         # from the first full window on: a mean over a few tokens at the start is noise
         ax_seq.plot(index[window - 1::stride], _rolling_mean(mass, window)[window - 1::stride],
                     lw=1.1, color=colors[label], label=label)
-    for switch in switches:
-        ax_seq.axvline(switch, color="0.5", ls=":", lw=0.8, alpha=0.7 if len(switches) <= 40
-                       else 0.25, zorder=0)
+    _zero_visible(ax_seq)
+    ax_seq.set_title(f"rolling mean; {_mark_switches(ax_seq, switches, kind)}" if len(switches)
+                     else "rolling mean (the trace has no domain switch)", fontsize=10)
     ax_seq.set_xlabel("decode token (trace order)")
     ax_seq.set_ylabel(f"substituted mass per token\n(sum over layers, mean of last {window})")
-    ax_seq.set_title(f"rolling mean; dotted lines: {kind}" if len(switches)
-                     else "rolling mean (the trace has no domain switch)", fontsize=10)
-    _zero_visible(ax_seq)
     ax_seq.grid(alpha=0.3)
     ax_seq.legend(fontsize=8, loc="upper right")
     if len(switches):
@@ -371,17 +480,53 @@ def plot_mass_over_tokens(sweep: Sweep, view: View) -> Plot:
         ax_ms.set_ylim(bottom=0)
         ax_mass.set_title(f"mass around a {kind} (mean over {len(switches)})", fontsize=10)
         ax_ms.set_title(f"time around a {kind} (mean over {len(switches)})", fontsize=10)
-    fig.suptitle(f"{title}: what happens after a {kind}" if len(switches) else title)
-    note = ("fetch_all never substitutes (mass 0); its time shows the cost of fetching after a "
-            "switch. Compare quality_first with rule015 right after a switch: background "
-            "admission is meant to bring the substituted mass down sooner.")
+    _suptitle(fig, f"{title}: what happens after a {kind}" if len(switches) else title, runs)
     left_out_note = f"Left out to keep the plot readable: {', '.join(left_out)}. " \
         if left_out else ""
-    return Plot("mass_over_tokens", title, fig,
-                (_reference_note(view) + absent_note + left_out_note + note).strip())
+    return Plot("mass_over_tokens", title, fig, (_reference_note(view) + absent_note
+                                                 + left_out_note + _sequence_note(runs)).strip())
+
+
+KIND_PLURAL = {"domain switch": "domain switches", "new sequence": "new sequences"}
+
+
+def _mark_switches(ax, switches: np.ndarray, kind: str) -> str:
+    """Mark switches on the sequence axis; returns how they are marked, for its title.
+
+    A few get full-height dotted lines; more than MAX_SWITCH_LINES would hide the curves behind
+    a grey wall (a 1M-token trace has thousands), so they become short ticks in a band below
+    the zero line (where they hide no curve, not even fetch_all's mass of 0).
+    """
+    if len(switches) <= MAX_SWITCH_LINES:
+        for switch in switches:
+            ax.axvline(switch, color="0.5", ls=":", lw=0.8, alpha=0.7, zorder=0)
+        return f"dotted lines: {kind}"
+    top = ax.get_ylim()[1]
+    ax.set_ylim(-0.1 * top, top)  # y = 0 at 1/11 of the height; the ticks take up 1/25
+    ax.vlines(switches, 0, 0.04, transform=ax.get_xaxis_transform(), color="0.35", lw=0.6,
+              alpha=0.5, zorder=1)
+    return f"ticks along the bottom: {len(switches):,} {KIND_PLURAL.get(kind, kind)}"
+
+
+def _sequence_note(runs: pl.DataFrame) -> str:
+    """What to look for in the sequence plot, naming only the strategies it draws."""
+    policies = runs[POLICY].to_list()
+    notes = []
+    if "fetch_all" in policies:
+        notes.append("fetch_all never substitutes (mass 0); its time shows the cost of "
+                     "fetching after a switch.")
+    if "quality_first" in policies and "rule015" in policies:
+        notes.append("Compare quality_first with rule015 (the same miss rule without "
+                     "background admission) right after a switch: admission is meant to bring "
+                     "the substituted mass down sooner.")
+    elif BETA in runs.columns and runs.filter(pl.col(POLICY) == "quality_first")[BETA].n_unique() > 1:
+        notes.append(f"Compare the quality_first lines right after a switch: a lower {BETA} "
+                     "admits substituted experts sooner.")
+    return " ".join(notes)
 
 
 def all_plots(sweep: Sweep, view: View) -> list[Plot]:
     """Every figure of the report, in report order."""
     return [plot_time_vs_mass(sweep, view), plot_cache_fraction(sweep, view),
-            plot_layer_heatmaps(sweep, view), plot_mass_over_tokens(sweep, view)]
+            plot_beta(sweep, view), plot_layer_heatmaps(sweep, view),
+            plot_mass_over_tokens(sweep, view)]

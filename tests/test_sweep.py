@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import re
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 from analysis.collect import collect_sweep
-from simulator.sweep import sweep_size
+from simulator.sweep import PROGRESS_DIR, SweepProgress, claim_finish_number, sweep_size
 from traces.format import write_trace
 from traces.synth import synth_trace
 
@@ -55,8 +60,58 @@ def test_sweep_report_has_one_row_per_job_equal_to_its_summary(trace, tmp_path, 
             assert row[key] == summary[key], (key, row[key], summary[key])
         assert row["cache.eviction"] == ("lfu" if row["policy.name"] == "quality_first" else "lru")
     assert seen == {(p, f) for p in POLICIES for f in FRACTIONS}
+    assert not (sweep / PROGRESS_DIR).exists()
     if launcher != "submitit_local":  # submitit keeps the jobs' stderr in its own logs
-        assert f"[sweep] {len(POLICIES) * len(FRACTIONS)}/4 jobs finished" in proc.stderr
+        assert_one_progress_line_per_job(proc.stderr, jobs=4)
+
+
+PROGRESS_LINE = re.compile(r"\[sweep\] (\d+)/(\d+) jobs finished \(job (\d+): completed\)")
+
+
+def assert_one_progress_line_per_job(stderr: str, jobs: int) -> None:
+    """Each job printed one whole line, and the counts run 1..jobs once each."""
+    lines = [line for line in stderr.splitlines() if "[sweep]" in line]
+    matches = [PROGRESS_LINE.fullmatch(line) for line in lines]
+    assert len(lines) == jobs and all(matches), lines
+    assert sorted(int(m[1]) for m in matches) == list(range(1, jobs + 1)), lines
+    assert {int(m[2]) for m in matches} == {jobs}
+    assert sorted(int(m[3]) for m in matches) == list(range(jobs)), lines
+
+
+def _job_config(sweep: Path, num: int):
+    return OmegaConf.create({"hydra": {"mode": "RunMode.MULTIRUN", "sweep": {"dir": str(sweep)},
+                                       "job": {"num": num}}})
+
+
+def test_jobs_finishing_together_print_distinct_counts(tmp_path, capfd):
+    # Both jobs have written their outputs before either reports: counting the finished jobs
+    # on disk would print 2/2 twice.
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"overrides": {"task": ["policy=fetch_all,rule015"]}}}))
+    for num in (0, 1):
+        (tmp_path / str(num)).mkdir()
+        (tmp_path / str(num) / "summary.json").write_text("{}")
+    callback = SweepProgress()
+    callback.on_multirun_start(_job_config(tmp_path, 0))
+    for num in (1, 0):
+        callback.on_job_end(_job_config(tmp_path, num), job_return=None)
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["[sweep] 1/2 jobs finished (job 1: done)",
+                                "[sweep] 2/2 jobs finished (job 0: done)"]
+    callback.on_multirun_end(_job_config(tmp_path, 0))
+    assert not (tmp_path / PROGRESS_DIR).exists()
+
+
+def _claim_many(progress_dir: str, count: int) -> list[int]:
+    return [claim_finish_number(Path(progress_dir)) for _ in range(count)]
+
+
+def test_concurrent_claims_get_distinct_numbers(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=4, mp_context=context) as pool:
+        claims = pool.map(_claim_many, [str(tmp_path)] * 4, [25] * 4)
+        numbers = [n for claimed in claims for n in claimed]
+    assert sorted(numbers) == list(range(1, 101))
 
 
 def test_broken_job_is_reported_failed_and_others_intact(trace, tmp_path):
