@@ -43,7 +43,7 @@ def jit(fn=None, *, allocates: bool = True, inline: bool = False):
     return wrap if fn is None else wrap(fn)
 
 
-def specialise(fn, variants: dict[str, ModuleType]):
+def specialise(fn, variants: dict, inline: bool = False):
     """``fn`` compiled as a kernel with each name in ``variants`` bound to a policy module.
 
     ``fn``'s body calls hooks as ``eviction.on_use(...)``; here ``eviction`` resolves to the
@@ -51,16 +51,17 @@ def specialise(fn, variants: dict[str, ModuleType]):
     code). Each combination is cached under its own name, which also carries a fingerprint of
     the engine's and the policies' sources: Numba invalidates a cached kernel only when the
     kernel's own file changes, so an edited hook must change the name. Cached kernels of older
-    fingerprints are removed.
+    fingerprints are removed. ``variants`` may also bind other specialised functions (a step of
+    the kernel compiled apart); ``inline=True`` inlines the result into its callers.
     """
-    tag = ".".join(m.__name__.rsplit(".", 1)[-1] for m in variants.values())
+    tag = ".".join(m.__name__.rsplit(".", 1)[-1] for m in variants.values() if isinstance(m, ModuleType))
     fp = sources_fingerprint()
     namespace = dict(fn.__globals__, **variants)
     f = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     f.__qualname__ = f"{fn.__qualname__}[{tag}@{fp}]"
     f.__module__ = fn.__module__
     f.__doc__ = fn.__doc__
-    kernel = numba.njit(**NO_ALLOC_FLAGS, inline="never")(f)
+    kernel = numba.njit(**NO_ALLOC_FLAGS, inline="always" if inline else "never")(f)
     _prune_stale(kernel, f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}[", f"@{fp}]")
     return kernel
 

@@ -77,18 +77,22 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
                 assert (k1, k2, x) <= actual  # lazily refreshed: never ahead of the real key
             else:
                 assert (k1, k2, x) == actual
-    # host RAM tier
-    in_ram = np.flatnonzero(link.in_ram).tolist()
-    assert sorted(_walk(link.ram, 0)) == in_ram
-    assert link.lstate[K.RAM_BYTES] == sum(int(expert_bytes[x // E]) for x in in_ram)
+    # host RAM tier: a pinned and a pageable LRU list, their bytes, where[]
+    for segment, held in ((K.PINNED, K.PINNED_BYTES), (K.PAGEABLE, K.PAGEABLE_BYTES)):
+        listed = _walk(link.ram, segment - 1)
+        assert sorted(listed) == np.flatnonzero(link.where == segment).tolist()
+        assert link.qstate[held] == sum(int(expert_bytes[x // E]) for x in listed)
+    if p_.host_pinned_budget_bytes >= 0:
+        assert link.qstate[K.PINNED_BYTES] <= p_.host_pinned_budget_bytes
     if p_.host_ram_budget_bytes >= 0:
-        assert link.lstate[K.RAM_BYTES] <= p_.host_ram_budget_bytes
+        assert link.qstate[K.PINNED_BYTES] + link.qstate[K.PAGEABLE_BYTES] <= p_.host_ram_budget_bytes
     # queued or in flight <=> pending
     cap = L * E
-    st_ = link.lstate
-    queued = [int(link.ring_x[K.QUEUE, (st_[K.Q_HEAD] + i) % cap]) for i in range(st_[K.Q_LEN])]
-    flying = [int(link.ring_x[K.DONE, (st_[K.D_HEAD] + i) % cap]) for i in range(st_[K.D_LEN])]
+    st_ = link.qstate
+    queued = [int(link.q_x[(st_[K.Q_HEAD] + i) % cap]) for i in range(st_[K.Q_LEN])]
+    flying = [int(link.done_x[(st_[K.D_HEAD] + i) % cap]) for i in range(st_[K.D_LEN])]
     assert sorted(queued + flying) == np.flatnonzero(link.pending).tolist()
+    assert 0 <= st_[K.Q_STAGED] <= st_[K.Q_LEN]
     return residents
 
 

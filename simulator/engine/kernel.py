@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.engine.layout import frequency_fill, make_layout
-from simulator.engine.link import advance, make_link_state, next_completion, sync_fetch
+from simulator.engine.link import Q_LEN, advance, make_link_state, next_completion, sync_fetches
 from simulator.engine.params import CPU, SimParams
 from simulator.engine.state import (
     BUDGET,
@@ -24,6 +24,7 @@ from simulator.engine.state import (
     CLOCK,
     INC,
     STAMP,
+    drop,
     kernel_array,
     make_consts,
     make_core_state,
@@ -42,8 +43,9 @@ from simulator.metrics import (
 from simulator.policies import chosen, modules
 from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 
-# The policy modules the kernels call; bound per compiled kernel by simulator.jit.specialise.
-eviction = miss_rule = miss_action = substitute = admission = None
+# The policy modules the kernels call, and the trim step; bound per compiled kernel by
+# simulator.jit.specialise.
+eviction = miss_rule = miss_action = substitute = admission = _trim_step = _fetch_step = None
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -73,6 +75,26 @@ class TokenOut(NamedTuple):
     cpu_calls: np.ndarray
 
 
+def _trim(core, ev, c, p, stamp):
+    """Evict from pool p down to its budget: victims in the policy's order, residents marked
+    ``stamp`` (used in the step, or the expert being admitted) last."""
+    while core.pools[p, BYTES] > core.pools[p, BUDGET]:
+        drop(core, c, eviction.victim(core, ev, c, p, stamp), p)
+    eviction.end_trim(core, ev, c, p)
+
+
+def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
+    """Decide a synchronous fetch of x: it is resident at once (its transfer is timed with the
+    step's other fetches, simulator.engine.link.sync_fetches); returns the step's fetch count.
+    The background queue advances to t1 before the step's first fetch becomes resident."""
+    if n_fetch == 0 and link.qstate[Q_LEN] > 0:
+        advance(core.resident, core.run_counts, link, t1)
+    link.fetch_x[n_fetch] = x
+    make_resident(core, c, x, layer, p)
+    eviction.on_insert(core, ev, c, x, p, s)
+    return n_fetch + 1
+
+
 def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
     """Simulate every group of one chunk, updating the state in place (docs/semantics.md).
 
@@ -100,6 +122,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
         core.fstate[INC] = inc
         eviction.on_group(core, ev, c, ch, a, b)
         group_start = core.fstate[CLOCK]
+        core.fstate[CLOCK] += c.token_fixed_us
         group_stall = 0.0
         group_mass = 0.0
         group_hits = 0
@@ -114,7 +137,8 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
             # step start: background transfers that completed by t0 become resident, each
             # admitted expert evicted after every other resident of its pool
             t0 = core.fstate[CLOCK]
-            advance(core, c, link, t0)
+            if link.qstate[Q_LEN] > 0:
+                advance(core.resident, core.run_counts, link, t0)
             x = next_completion(link, t0)
             while x >= 0:
                 if not core.resident[x]:
@@ -125,7 +149,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                     make_resident(core, c, x, lx, px)
                     eviction.on_insert(core, ev, c, x, px, s)
                     if core.pools[px, BYTES] > core.pools[px, BUDGET]:
-                        eviction.trim(core, ev, c, px, core.istate[STAMP])
+                        _trim_step(core, ev, c, px, core.istate[STAMP])
                     rc[RunCount.BACKGROUND_ADMISSIONS] += 1
                     lc[lx, LayerCount.BACKGROUND_ADMISSIONS] += 1
                 x = next_completion(link, t0)
@@ -155,6 +179,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                 m = 0.0
                 n_cand = -1
                 next_cand = 0
+                n_fetch = 0
                 for i in range(K):
                     x = base + experts[a, layer, i]
                     if core.resident[x]:
@@ -179,9 +204,8 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                             continue
                         forced += 1
                     fetches += 1
-                    clock = sync_fetch(core, c, link, clock, x, layer)
-                    make_resident(core, c, x, layer, p)
-                    eviction.on_insert(core, ev, c, x, p, s)
+                    n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
+                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch)
                 stall = clock - t1
                 gpu_phase = (hits + fetches + substitutions) * c.gpu_expert_us[layer]
                 cpu_phase = cpu_calls * c.cpu_expert_us[layer]
@@ -200,22 +224,22 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
             else:
                 # prefill: each unique expert looked up once, misses fetched
                 hits = 0
+                n_fetch = 0
                 for j in range(n_unique):
                     x = core.uniq[j]
                     if core.resident[x]:
                         hits += 1
                         eviction.on_use(core, ev, c, x, p, s)
                     else:
-                        clock = sync_fetch(core, c, link, clock, x, layer)
-                        make_resident(core, c, x, layer, p)
-                        eviction.on_insert(core, ev, c, x, p, s)
+                        n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
+                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch)
                 fetches = n_unique - hits
                 stall = clock - t1
                 end = clock + n_unique * c.gpu_expert_us[layer]
                 rc[RunCount.PREFILL_LOOKUPS] += n_unique
                 rc[RunCount.PREFILL_HITS] += hits
             if core.pools[p, BYTES] > core.pools[p, BUDGET]:
-                eviction.trim(core, ev, c, p, stamp)
+                _trim_step(core, ev, c, p, stamp)
             core.fstate[CLOCK] = end
             group_stall += stall
             group_hits += hits
@@ -253,7 +277,10 @@ class Kernels(NamedTuple):
 def kernels(names: tuple[tuple[str, str], ...]) -> Kernels:
     """The kernels compiled for one choice of variants (``(family, variant)`` pairs)."""
     chosen_modules = modules(dict(names))
-    return Kernels(specialise(_run_chunk, chosen_modules), specialise(_warm, chosen_modules))
+    steps = {"_trim_step": specialise(_trim, chosen_modules, inline=True),
+             "_fetch_step": specialise(_fetch, chosen_modules, inline=True)}
+    return Kernels(specialise(_run_chunk, dict(chosen_modules, **steps)),
+                   specialise(_warm, chosen_modules))
 
 
 class KernelSimulator:

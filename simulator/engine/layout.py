@@ -15,13 +15,12 @@ from traces.format import TraceMeta
 
 @dataclass(frozen=True)
 class Layout:
-    """Pools and per-layer transfer times. Times in microseconds, shapes noted per field."""
+    """Pools and per-layer SSD read times. Times in microseconds, shapes noted per field."""
 
     pool_of_layer: np.ndarray  # int32[L]: the pool an expert of layer l lives in
     pool_budget_bytes: np.ndarray  # int64[P]
     pool_capacity: np.ndarray  # int64[P]: experts a pool can ever hold (all of its layers)
     pool_offset: np.ndarray  # int64[P]: start of the pool's segment in per-pool slot arrays
-    pcie_us: np.ndarray  # float64[L]: pcie_latency_us + bytes / pcie_bytes_per_us
     ssd_us: np.ndarray  # float64[L]: ssd_latency_us + bytes / ssd_bytes_per_us
 
 
@@ -57,7 +56,6 @@ def make_layout(params: SimParams, meta: TraceMeta) -> Layout:
         pool_budget_bytes=budget,
         pool_capacity=capacity,
         pool_offset=offset,
-        pcie_us=params.pcie_latency_us + eb / params.pcie_bytes_per_us,
         ssd_us=params.ssd_latency_us + eb / params.ssd_bytes_per_us,
     )
 

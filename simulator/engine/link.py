@@ -1,17 +1,26 @@
-"""The PCIe link, the background queue and the host RAM tier (docs/semantics.md, Link).
+"""Transfers: the SSD, the PCIe link, host RAM and the background queue (docs/semantics.md, Link).
 
-One link carries synchronous fetches and background transfers; a synchronous fetch goes ahead
-of every queued background transfer but waits for one already on the link. A transfer of an
-expert that is not in host RAM reads the SSD first, on the same critical path. Host RAM is a
-global LRU tier of ``host_ram_budget_bytes`` (-1: everything is in RAM).
+Two resources serve transfer stages one at a time, non-preemptively: the **SSD** (reads into
+host RAM) and the **link** (host-to-device copies). An expert in host RAM needs one stage, a
+copy; one that is not needs an SSD read, then the copy, so reads of one transfer overlap copies
+of another. Host RAM is an LRU tier of ``host_ram_budget_bytes`` (-1: every expert is in RAM)
+whose most recently used ``host_pinned_budget_bytes`` are pinned (-1: all of it); a copy from
+pinned memory runs at the pinned bandwidth, from pageable memory at the pageable one. A copy
+that starts on an idle link pays the idle latency, one that follows another back to back the
+burst latency.
 
-Kernel side: :class:`LinkState` and the jitted functions; the background queue and the recorded
-completions are ring buffers of capacity L*E (an expert is at most once in either). Reference
-side: :class:`ReferenceLink`, the same rules on deques and an ordered dict.
+A step's synchronous fetches are issued together: their reads first, in order, then their copies
+in order, each copy waiting for its read; a synchronous stage goes ahead of every background
+stage not yet started but waits for one already running. Background transfers form one FIFO
+queue with two cursors: a read cursor (first stages: the read, or for an expert in RAM nothing
+but the tier access) runs ahead of the copy cursor, so the queue's reads overlap its copies.
+
+Kernel side: :class:`LinkState` and the jitted functions (an expert is at most once in the
+queue or in flight, so the rings hold L*E entries). Reference side: :class:`ReferenceLink`, the
+same rules in plain Python.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from typing import NamedTuple
 
 import numpy as np
@@ -22,202 +31,421 @@ from simulator.engine.structures import HEAD, Lists, list_append, list_unlink, m
 from simulator.jit import jit
 from simulator.metrics import RunCount
 
-# rows of LinkState.ring_x / ring_t
-QUEUE, DONE = 0, 1
-# LinkState.lstate[] entries
-Q_HEAD, Q_LEN, D_HEAD, D_LEN, RAM_BYTES = range(5)
-# LinkState.tstate[] entries
-LINK_FREE = 0
+# LinkState.qstate[] entries: queue head, its length, how many entries passed their first
+# stage (from the head), completions ring head and length, host RAM bytes (pinned, pageable)
+Q_HEAD, Q_LEN, Q_STAGED, D_HEAD, D_LEN, PINNED_BYTES, PAGEABLE_BYTES = range(7)
+# LinkState.tstate[] entries: when the link and the SSD finish what they were given
+LINK_FREE, SSD_FREE = 0, 1
+# where an expert is in host RAM (LinkState.where), and the tier's two LRU lists (Lists rows)
+NOT_IN_RAM, PINNED, PAGEABLE = 0, 1, 2
+# queue entry states (LinkState.q_state)
+WAITING, STAGED, DROPPED = 0, 1, 2
 
 
 class LinkState(NamedTuple):
-    pcie_us: np.ndarray  # float64[L]: pcie_latency_us + bytes / pcie_bytes_per_us
+    num_experts: int
+    expert_bytes: np.ndarray  # int64[L]
+    copy_us: np.ndarray  # float64[2, L]: bytes / bandwidth, pinned (row 0) and pageable (row 1)
+    latency_us: np.ndarray  # float64[2]: a copy's latency back to back (0), on an idle link (1)
     ssd_us: np.ndarray  # float64[L]: ssd_latency_us + bytes / ssd_bytes_per_us
     ram_budget: int  # bytes of experts host RAM holds; -1 = all
+    pinned_budget: int  # bytes of host RAM that are pinned; -1 = all
     pending: np.ndarray  # int8[X]: queued or in flight
-    ring_x: np.ndarray  # int32[2, X]
-    ring_t: np.ndarray  # float64[2, X]: enqueue time (QUEUE), end time (DONE)
-    lstate: np.ndarray  # int64[5]
-    tstate: np.ndarray  # float64[1]
-    ram: Lists  # one list: host RAM, least recently used at the head
-    in_ram: np.ndarray  # int8[X]
+    q_x: np.ndarray  # int32[X] queue ring: expert
+    q_enqueued: np.ndarray  # float64[X]: enqueue time
+    q_ready: np.ndarray  # float64[X]: when its copy may start (its read's end)
+    q_pageable: np.ndarray  # int8[X]: its copy reads pageable memory
+    q_state: np.ndarray  # int8[X]: WAITING, STAGED, DROPPED
+    done_x: np.ndarray  # int32[X] completions ring: expert
+    done_t: np.ndarray  # float64[X]: end time
+    qstate: np.ndarray  # int64[7]
+    tstate: np.ndarray  # float64[2]
+    ram: Lists  # list 0: pinned, list 1: pageable; least recently used at the head
+    where: np.ndarray  # int8[X]: NOT_IN_RAM, PINNED, PAGEABLE
+    fetch_x: np.ndarray  # int32[X]: a step's synchronous fetches, in order
+    fetch_ready: np.ndarray  # float64[X]: when each one's copy may start
+    fetch_pageable: np.ndarray  # int8[X]
 
 
 def make_link_state(params: SimParams, layout: Layout) -> LinkState:
-    X = params.num_layers * params.num_experts
+    L, E = params.num_layers, params.num_experts
+    X = L * E
+    eb = np.asarray(params.expert_bytes, dtype=np.float64)
     return LinkState(
-        pcie_us=layout.pcie_us,
+        num_experts=E,
+        expert_bytes=np.ascontiguousarray(params.expert_bytes, dtype=np.int64),
+        copy_us=np.stack([eb / params.pcie_bytes_per_us, eb / params.pcie_pageable_bytes_per_us]),
+        latency_us=np.array([params.pcie_latency_us, params.pcie_idle_latency_us]),
         ssd_us=layout.ssd_us,
         ram_budget=int(params.host_ram_budget_bytes),
+        pinned_budget=int(params.host_pinned_budget_bytes),
         pending=np.zeros(X, np.int8),
-        ring_x=np.zeros((2, X), np.int32),
-        ring_t=np.zeros((2, X), np.float64),
-        lstate=np.zeros(5, np.int64),
-        tstate=np.zeros(1, np.float64),
-        ram=make_lists(X, 1),
-        in_ram=np.zeros(X, np.int8),
+        q_x=np.zeros(X, np.int32),
+        q_enqueued=np.zeros(X, np.float64),
+        q_ready=np.zeros(X, np.float64),
+        q_pageable=np.zeros(X, np.int8),
+        q_state=np.zeros(X, np.int8),
+        done_x=np.zeros(X, np.int32),
+        done_t=np.zeros(X, np.float64),
+        qstate=np.zeros(7, np.int64),
+        tstate=np.zeros(2, np.float64),
+        ram=make_lists(X, 2),
+        where=np.zeros(X, np.int8),
+        fetch_x=np.zeros(X, np.int32),
+        fetch_ready=np.zeros(X, np.float64),
+        fetch_pageable=np.zeros(X, np.int8),
     )
 
 
-@jit(allocates=False)
-def transfer_us(core, c, link, x, layer):
-    """Duration of one transfer of x; the source read updates the host RAM tier."""
-    if link.ram_budget < 0:
-        return link.pcie_us[layer]
-    if link.in_ram[x]:
-        list_unlink(link.ram, x, 0)
-        list_append(link.ram, x, 0)
-        return link.pcie_us[layer]
-    core.run_counts[RunCount.SSD_READS] += 1
-    size = c.expert_bytes[layer]
-    st = link.lstate
-    while link.ram.ends[HEAD, 0] >= 0 and st[RAM_BYTES] + size > link.ram_budget:
-        y = link.ram.ends[HEAD, 0]
-        list_unlink(link.ram, y, 0)
-        link.in_ram[y] = 0
-        st[RAM_BYTES] -= c.expert_bytes[y // c.num_experts]
-    if st[RAM_BYTES] + size <= link.ram_budget:
-        list_append(link.ram, x, 0)
-        link.in_ram[x] = 1
-        st[RAM_BYTES] += size
-    return link.ssd_us[layer] + link.pcie_us[layer]
+# ---- host RAM tier -----------------------------------------------------------------------
 
 
 @jit(allocates=False)
-def advance(core, c, link, t):
-    """Start queued background transfers that can begin before t; record their completions."""
-    st = link.lstate
-    cap = link.ring_x.shape[1]
-    while st[Q_LEN] > 0 and link.tstate[LINK_FREE] < t:
-        h = st[Q_HEAD]
-        x = link.ring_x[QUEUE, h]
-        if core.resident[x]:
-            st[Q_HEAD] = (h + 1) % cap
-            st[Q_LEN] -= 1
-            link.pending[x] = 0
-            continue
-        start = max(link.tstate[LINK_FREE], link.ring_t[QUEUE, h])
-        if start >= t:
-            break
-        st[Q_HEAD] = (h + 1) % cap
-        st[Q_LEN] -= 1
-        layer = x // c.num_experts
-        size = c.expert_bytes[layer]
-        end = start + transfer_us(core, c, link, x, layer)
-        link.tstate[LINK_FREE] = end
-        core.run_counts[RunCount.BYTES_FETCHED] += size
-        core.run_counts[RunCount.BACKGROUND_BYTES] += size
-        d = (st[D_HEAD] + st[D_LEN]) % cap
-        link.ring_x[DONE, d] = x
-        link.ring_t[DONE, d] = end
-        st[D_LEN] += 1
+def _tier_insert_pinned(link, x, size):
+    """x goes to the pinned segment's most recent end; its least recent spill to pageable."""
+    st = link.qstate
+    list_append(link.ram, x, PINNED - 1)
+    link.where[x] = PINNED
+    st[PINNED_BYTES] += size
+    while st[PINNED_BYTES] > link.pinned_budget >= 0:
+        y = link.ram.ends[HEAD, PINNED - 1]
+        list_unlink(link.ram, y, PINNED - 1)
+        list_append(link.ram, y, PAGEABLE - 1)
+        link.where[y] = PAGEABLE
+        ysize = link.expert_bytes[y // link.num_experts]
+        st[PINNED_BYTES] -= ysize
+        st[PAGEABLE_BYTES] += ysize
 
 
 @jit(allocates=False)
-def sync_fetch(core, c, link, clock, x, layer):
-    """A synchronous fetch of x from ``clock``; returns the clock at its end."""
-    if link.lstate[Q_LEN] > 0:
-        advance(core, c, link, clock)
-    start = max(clock, link.tstate[LINK_FREE])
-    end = start + transfer_us(core, c, link, x, layer)
+def _tier_evict_to_fit(link, size):
+    """Evict least recently used experts (pageable ones first) until ``size`` more fit."""
+    st = link.qstate
+    for segment in (PAGEABLE, PINNED):
+        held = PAGEABLE_BYTES if segment == PAGEABLE else PINNED_BYTES
+        while (link.ram.ends[HEAD, segment - 1] >= 0
+               and st[PINNED_BYTES] + st[PAGEABLE_BYTES] + size > link.ram_budget):
+            y = link.ram.ends[HEAD, segment - 1]
+            list_unlink(link.ram, y, segment - 1)
+            link.where[y] = NOT_IN_RAM
+            st[held] -= link.expert_bytes[y // link.num_experts]
+
+
+@jit(allocates=False, inline=True)
+def tier_access(run_counts, link, x):
+    """The host RAM tier's part of a transfer of x, at its first stage.
+
+    Returns ``(needs_read, pageable)``: whether x must first be read from the SSD (counted in
+    ``ssd_reads``), and whether its copy reads pageable memory. Afterwards x is the most
+    recently used expert of the pinned segment (an expert larger than the whole tier is read
+    into pinned staging memory and not kept).
+    """
+    if link.pinned_budget < 0 and link.ram_budget < 0:  # no tier: all of RAM, pinned
+        return False, False
+    return _tier_access(run_counts, link, x)
+
+
+@jit(allocates=False)
+def _tier_access(run_counts, link, x):
+    size = link.expert_bytes[x // link.num_experts]
+    w = link.where[x]
+    st = link.qstate
+    if w == PINNED:
+        list_unlink(link.ram, x, PINNED - 1)
+        st[PINNED_BYTES] -= size
+        _tier_insert_pinned(link, x, size)
+        return False, False
+    if w == PAGEABLE:
+        list_unlink(link.ram, x, PAGEABLE - 1)
+        st[PAGEABLE_BYTES] -= size
+        _tier_insert_pinned(link, x, size)
+        return False, True
+    if link.ram_budget < 0:  # every expert is in RAM, the unlisted ones pageable
+        _tier_insert_pinned(link, x, size)
+        return False, True
+    run_counts[RunCount.SSD_READS] += 1
+    if size <= link.ram_budget:
+        _tier_evict_to_fit(link, size)
+        _tier_insert_pinned(link, x, size)
+        return True, link.where[x] == PAGEABLE
+    return True, False
+
+
+# ---- stages ------------------------------------------------------------------------------
+
+
+@jit(allocates=False, inline=True)
+def _copy(run_counts, link, x, ready, pageable):
+    """Put the copy of x on the link at the earliest from ``ready``; returns its end."""
+    layer = x // link.num_experts
+    free = link.tstate[LINK_FREE]
+    start = max(ready, free)
+    end = start + (link.latency_us[1 if start > free else 0] + link.copy_us[pageable, layer])
     link.tstate[LINK_FREE] = end
-    core.run_counts[RunCount.BYTES_FETCHED] += c.expert_bytes[layer]
+    run_counts[RunCount.BYTES_FETCHED] += link.expert_bytes[layer]
+    return end
+
+
+@jit(allocates=False, inline=True)
+def _read(link, x, ready):
+    """Put the SSD read of x on the SSD at the earliest from ``ready``; returns its end."""
+    start = max(ready, link.tstate[SSD_FREE])
+    end = start + link.ssd_us[x // link.num_experts]
+    link.tstate[SSD_FREE] = end
     return end
 
 
 @jit(allocates=False)
-def enqueue(core, link, x, t):
+def advance(resident, run_counts, link, t):
+    """Start the background stages that can begin before t; record completed copies."""
+    st = link.qstate
+    cap = link.q_x.shape[0]
+    progressed = True
+    while progressed and st[Q_LEN] > 0:
+        progressed = False
+        if st[Q_STAGED] < st[Q_LEN]:  # the first stage of the next entry
+            i = (st[Q_HEAD] + st[Q_STAGED]) % cap
+            x = link.q_x[i]
+            if link.where[x] != NOT_IN_RAM or link.ram_budget < 0:
+                _, pageable = tier_access(run_counts, link, x)
+                link.q_ready[i] = link.q_enqueued[i]
+                link.q_pageable[i] = pageable
+                link.q_state[i] = STAGED
+                st[Q_STAGED] += 1
+                progressed = True
+            elif resident[x]:
+                link.q_state[i] = DROPPED
+                st[Q_STAGED] += 1
+                progressed = True
+            elif link.tstate[SSD_FREE] < t and max(link.tstate[SSD_FREE], link.q_enqueued[i]) < t:
+                _, pageable = tier_access(run_counts, link, x)
+                link.q_ready[i] = _read(link, x, link.q_enqueued[i])
+                link.q_pageable[i] = pageable
+                link.q_state[i] = STAGED
+                st[Q_STAGED] += 1
+                progressed = True
+        if st[Q_STAGED] > 0 and link.tstate[LINK_FREE] < t:  # the copy of the head
+            i = st[Q_HEAD]
+            x = link.q_x[i]
+            drop = link.q_state[i] == DROPPED or resident[x]
+            if not drop:
+                if max(link.tstate[LINK_FREE], link.q_ready[i]) >= t:
+                    continue
+                end = _copy(run_counts, link, x, link.q_ready[i], link.q_pageable[i])
+                run_counts[RunCount.BACKGROUND_BYTES] += link.expert_bytes[x // link.num_experts]
+                d = (st[D_HEAD] + st[D_LEN]) % cap
+                link.done_x[d] = x
+                link.done_t[d] = end
+                st[D_LEN] += 1
+            else:
+                link.pending[x] = 0
+            st[Q_HEAD] = (i + 1) % cap
+            st[Q_LEN] -= 1
+            st[Q_STAGED] -= 1
+            progressed = True
+
+
+@jit(allocates=False, inline=True)
+def sync_fetches(resident, run_counts, link, t1, n):
+    """The step's synchronous fetches ``link.fetch_x[:n]``, issued at t1; returns the clock at
+    the end of the last copy (t1 without fetches).
+
+    The background queue was advanced to t1 when the step's first fetch was decided (before it
+    became resident); a copy that waits for its read lets the queue advance to the read's end.
+    """
+    for j in range(n):
+        x = link.fetch_x[j]
+        needs_read, pageable = tier_access(run_counts, link, x)
+        link.fetch_pageable[j] = pageable
+        link.fetch_ready[j] = _read(link, x, t1) if needs_read else t1
+    clock = t1
+    for j in range(n):
+        ready = link.fetch_ready[j]
+        if ready > t1 and link.qstate[Q_LEN] > 0:
+            advance(resident, run_counts, link, ready)
+        clock = _copy(run_counts, link, link.fetch_x[j], ready, link.fetch_pageable[j])
+    return clock
+
+
+@jit(allocates=False, inline=True)
+def enqueue(run_counts, link, x, t):
     """Queue x for a background transfer at time t, unless it is queued or in flight."""
     if link.pending[x]:
         return
     link.pending[x] = 1
-    st = link.lstate
-    q = (st[Q_HEAD] + st[Q_LEN]) % link.ring_x.shape[1]
-    link.ring_x[QUEUE, q] = x
-    link.ring_t[QUEUE, q] = t
+    st = link.qstate
+    q = (st[Q_HEAD] + st[Q_LEN]) % link.q_x.shape[0]
+    link.q_x[q] = x
+    link.q_enqueued[q] = t
+    link.q_state[q] = WAITING
     st[Q_LEN] += 1
-    core.run_counts[RunCount.BACKGROUND_ENQUEUED] += 1
+    run_counts[RunCount.BACKGROUND_ENQUEUED] += 1
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def next_completion(link, t0):
     """Pop the next recorded completion with end <= t0: its expert, or -1 if there is none."""
-    st = link.lstate
-    if st[D_LEN] == 0 or link.ring_t[DONE, st[D_HEAD]] > t0:
+    st = link.qstate
+    if st[D_LEN] == 0 or link.done_t[st[D_HEAD]] > t0:
         return -1
-    x = link.ring_x[DONE, st[D_HEAD]]
-    st[D_HEAD] = (st[D_HEAD] + 1) % link.ring_x.shape[1]
+    x = link.done_x[st[D_HEAD]]
+    st[D_HEAD] = (st[D_HEAD] + 1) % link.done_x.shape[0]
     st[D_LEN] -= 1
     link.pending[x] = 0
     return x
 
 
+# ---- the reference twin ------------------------------------------------------------------
+
+
+class _Entry:
+    __slots__ = ("x", "enqueued", "ready", "pageable", "state")
+
+    def __init__(self, x: int, enqueued: float):
+        self.x, self.enqueued, self.ready, self.pageable, self.state = x, enqueued, 0.0, False, WAITING
+
+
 class ReferenceLink:
-    """The same link and tiers in plain Python; counters and events go through ``sim``."""
+    """The same link, tiers and queue in plain Python; counters and events go through ``sim``."""
 
     def __init__(self, sim, params: SimParams, layout: Layout):
         self.sim = sim
-        self.pcie_us = [float(v) for v in layout.pcie_us]
+        eb = [int(b) for b in params.expert_bytes]
+        self.expert_bytes = eb
+        self.copy_us = [[b / params.pcie_bytes_per_us for b in np.asarray(eb, np.float64)],
+                        [b / params.pcie_pageable_bytes_per_us for b in np.asarray(eb, np.float64)]]
+        self.latency_us = [float(params.pcie_latency_us), float(params.pcie_idle_latency_us)]
         self.ssd_us = [float(v) for v in layout.ssd_us]
         self.ram_budget = int(params.host_ram_budget_bytes)
-        self.queue: deque[tuple[int, float]] = deque()  # (x, enqueue time)
-        self.completions: deque[tuple[float, int]] = deque()  # (end time, x)
+        self.pinned_budget = int(params.host_pinned_budget_bytes)
+        self.queue: list[_Entry] = []  # from the head; entries before ``staged`` passed stage one
+        self.staged = 0
+        self.completions: list[tuple[float, int]] = []  # (end time, x), in order
         self.pending: set[int] = set()  # queued or in flight
         self.link_free_us = 0.0
-        self.ram: OrderedDict[int, None] = OrderedDict()  # x -> None, least recently used first
-        self.ram_bytes = 0
+        self.ssd_free_us = 0.0
+        self.pinned: dict[int, None] = {}  # least recently used first
+        self.pageable: dict[int, None] = {}
+        self.pinned_bytes = self.pageable_bytes = 0
 
-    def transfer_us(self, x: int) -> float:
-        layer = x // self.sim.params.num_experts
+    def _size(self, x: int) -> int:
+        return self.expert_bytes[x // self.sim.params.num_experts]
+
+    def in_ram(self, x: int) -> bool:
+        return x in self.pinned or x in self.pageable
+
+    def _insert_pinned(self, x: int) -> None:
+        self.pinned[x] = None
+        self.pinned_bytes += self._size(x)
+        while self.pinned_budget >= 0 and self.pinned_bytes > self.pinned_budget:
+            y = next(iter(self.pinned))
+            del self.pinned[y]
+            self.pinned_bytes -= self._size(y)
+            self.pageable[y] = None
+            self.pageable_bytes += self._size(y)
+
+    def tier_access(self, x: int) -> tuple[bool, bool]:
+        """As the kernel's: ``(needs_read, pageable)``."""
+        if self.pinned_budget < 0 and self.ram_budget < 0:
+            return False, False
+        size = self._size(x)
+        if x in self.pinned:
+            del self.pinned[x]
+            self.pinned_bytes -= size
+            self._insert_pinned(x)
+            return False, False
+        if x in self.pageable:
+            del self.pageable[x]
+            self.pageable_bytes -= size
+            self._insert_pinned(x)
+            return False, True
         if self.ram_budget < 0:
-            return self.pcie_us[layer]
-        if x in self.ram:
-            self.ram.move_to_end(x)
-            return self.pcie_us[layer]
+            self._insert_pinned(x)
+            return False, True
         self.sim.count(RunCount.SSD_READS)
-        size = self.sim.expert_size(x)
-        while self.ram and self.ram_bytes + size > self.ram_budget:
-            y, _ = self.ram.popitem(last=False)
-            self.ram_bytes -= self.sim.expert_size(y)
-        if self.ram_bytes + size <= self.ram_budget:
-            self.ram[x] = None
-            self.ram_bytes += size
-        return self.ssd_us[layer] + self.pcie_us[layer]
+        if size <= self.ram_budget:
+            for segment in (self.pageable, self.pinned):
+                while segment and self.pinned_bytes + self.pageable_bytes + size > self.ram_budget:
+                    y = next(iter(segment))
+                    del segment[y]
+                    if segment is self.pinned:
+                        self.pinned_bytes -= self._size(y)
+                    else:
+                        self.pageable_bytes -= self._size(y)
+            self._insert_pinned(x)
+            return True, x in self.pageable
+        return True, False
+
+    def _copy(self, x: int, ready: float, pageable: bool) -> tuple[float, float]:
+        layer = x // self.sim.params.num_experts
+        free = self.link_free_us
+        start = max(ready, free)
+        end = start + (self.latency_us[1 if start > free else 0] + self.copy_us[int(pageable)][layer])
+        self.link_free_us = end
+        self.sim.count(RunCount.BYTES_FETCHED, self._size(x))
+        return start, end
+
+    def _read(self, x: int, ready: float) -> float:
+        start = max(ready, self.ssd_free_us)
+        end = start + self.ssd_us[x // self.sim.params.num_experts]
+        self.ssd_free_us = end
+        return end
 
     def advance(self, t: float) -> None:
-        """Start queued background transfers that can begin before t."""
-        while self.queue and self.link_free_us < t:
-            x, enqueued_us = self.queue[0]
-            if self.sim.resident[x]:
-                self.queue.popleft()
-                self.pending.discard(x)
-                continue
-            start = max(self.link_free_us, enqueued_us)
-            if start >= t:
-                break
-            self.queue.popleft()
-            end = start + self.transfer_us(x)
-            self.link_free_us = end
-            size = self.sim.expert_size(x)
-            self.sim.count(RunCount.BYTES_FETCHED, size)
-            self.sim.count(RunCount.BACKGROUND_BYTES, size)
-            self.completions.append((end, x))
-            self.sim.emit("transfer_start", x, start, end)
+        """Start the background stages that can begin before t."""
+        progressed = True
+        while progressed and self.queue:
+            progressed = False
+            if self.staged < len(self.queue):
+                e = self.queue[self.staged]
+                if self.in_ram(e.x) or self.ram_budget < 0:
+                    _, e.pageable = self.tier_access(e.x)
+                    e.ready, e.state = e.enqueued, STAGED
+                    self.staged += 1
+                    progressed = True
+                elif self.sim.resident[e.x]:
+                    e.state = DROPPED
+                    self.staged += 1
+                    progressed = True
+                elif self.ssd_free_us < t and max(self.ssd_free_us, e.enqueued) < t:
+                    _, e.pageable = self.tier_access(e.x)
+                    e.ready, e.state = self._read(e.x, e.enqueued), STAGED
+                    self.staged += 1
+                    progressed = True
+            if self.staged > 0 and self.link_free_us < t:
+                e = self.queue[0]
+                if e.state == DROPPED or self.sim.resident[e.x]:
+                    self.pending.discard(e.x)
+                else:
+                    if max(self.link_free_us, e.ready) >= t:
+                        continue
+                    start, end = self._copy(e.x, e.ready, e.pageable)
+                    self.sim.count(RunCount.BACKGROUND_BYTES, self._size(e.x))
+                    self.completions.append((end, e.x))
+                    self.sim.emit("transfer_start", e.x, start, end)
+                self.queue.pop(0)
+                self.staged -= 1
+                progressed = True
 
-    def sync_fetch(self, clock_us: float, x: int) -> float:
-        """Fetch x on the critical path from ``clock_us``; returns the clock after it."""
-        self.advance(clock_us)
-        start = max(clock_us, self.link_free_us)
-        end = start + self.transfer_us(x)
-        self.link_free_us = end
-        self.sim.count(RunCount.BYTES_FETCHED, self.sim.expert_size(x))
-        return end
+    def sync_fetches(self, t1: float, xs: list[int]) -> float:
+        """The step's synchronous fetches of ``xs``, issued at t1; the clock after the last (the
+        queue was advanced to t1 before the first of them became resident)."""
+        staged = []
+        for x in xs:
+            needs_read, pageable = self.tier_access(x)
+            staged.append((x, self._read(x, t1) if needs_read else t1, pageable))
+        clock = t1
+        for x, ready, pageable in staged:
+            if ready > t1:
+                self.advance(ready)
+            clock = self._copy(x, ready, pageable)[1]
+        return clock
 
     def enqueue(self, x: int, t: float) -> None:
         if x in self.pending:
             return
         self.pending.add(x)
-        self.queue.append((x, t))
+        self.queue.append(_Entry(x, t))
         self.sim.count(RunCount.BACKGROUND_ENQUEUED)
         self.sim.emit("enqueue", x, t)
 
@@ -225,7 +453,7 @@ class ReferenceLink:
         """Pop the next recorded completion with end <= t0: its expert (no longer pending)."""
         if not self.completions or self.completions[0][0] > t0:
             return None
-        end, x = self.completions.popleft()
+        end, x = self.completions.pop(0)
         self.pending.discard(x)
         self.sim.emit("transfer_done", x, end)
         return x

@@ -52,3 +52,15 @@ class SimParams:
     seed: int = 0
     miss_rule: str = "threshold"  # simulator.policies.miss_rule
     options: dict = field(default_factory=dict)  # the chosen variants' own options, by name
+    # hardware terms with neutral defaults (profiles without them model nothing extra)
+    pcie_idle_latency_us: float | None = None  # a copy starting on an idle link; None: as pcie
+    pcie_pageable_bytes_per_us: float | None = None  # copies from pageable RAM; None: as pcie
+    host_pinned_budget_bytes: int = -1  # of host RAM, the most recently used bytes pinned; -1 all
+    token_fixed_us: float = 0.0  # once per group (a token's host synchronisation)
+    step_fixed_us: float = 0.0  # once per step, with the non-expert compute
+
+    def __post_init__(self):
+        if self.pcie_idle_latency_us is None:
+            self.pcie_idle_latency_us = self.pcie_latency_us
+        if self.pcie_pageable_bytes_per_us is None:
+            self.pcie_pageable_bytes_per_us = self.pcie_bytes_per_us

@@ -123,7 +123,7 @@ class ReferenceSimulator:
         self._expert_bytes = [int(b) for b in params.expert_bytes]
         self._pool_of_layer = [int(p) for p in self.layout.pool_of_layer]
         self._budget = [int(b) for b in self.layout.pool_budget_bytes]
-        self._nonexpert_us = [float(v) for v in params.nonexpert_us]
+        self._nonexpert_us = [float(v) + float(params.step_fixed_us) for v in params.nonexpert_us]
         self._gpu_expert_us = [float(v) for v in params.gpu_expert_us]
         self._cpu_expert_us = [float(v) for v in params.cpu_expert_us]
 
@@ -201,6 +201,14 @@ class ReferenceSimulator:
         self.freq[x] += self.inc
         self.eviction.on_select(x, layer, step, token, next_group)
 
+    def _fetch(self, x: int, step: int, t1: float, fetched: list[int]) -> None:
+        """A synchronous fetch of x: resident at once, timed with the step's other fetches (the
+        queue advances to t1 before the step's first fetch becomes resident)."""
+        if not fetched:
+            self.link.advance(t1)
+        fetched.append(x)
+        self._insert(x, step)
+
     def _apply_completions(self, t0: float, step: int) -> None:
         x = self.link.next_completion(t0)
         while x is not None:
@@ -247,6 +255,7 @@ class ReferenceSimulator:
         self._group = _Group(phase=int(phase), num_tokens=num_tokens, ordinal=ordinal,
                              start_us=self.clock_us, seq=per_token(seq), pos=per_token(pos),
                              domain=per_token(domain))
+        self.clock_us += float(self.params.token_fixed_us)
 
     def _begin_step(self, layer: int, phase: int) -> tuple[int, float]:
         g = self._group
@@ -285,7 +294,7 @@ class ReferenceSimulator:
             self._select(x, layer, step, 0, None if next_use is None else next_use[i])
 
         t1 = t0 + self._nonexpert_us[layer]
-        clock = t1
+        fetched: list[int] = []
         used: set[int] = set()
         substituted: set[int] = set()
         codes, subs = [], []
@@ -312,13 +321,13 @@ class ReferenceSimulator:
                     mass += g
                     self.admission.on_substitute(x, g, t1)
             if code in (FETCH, FORCED_FETCH):
-                clock = self.link.sync_fetch(clock, x)
-                self._insert(x, step)
+                self._fetch(x, step, t1, fetched)
             if code in (HIT, FETCH, FORCED_FETCH):
                 used.add(x)
             codes.append(code)
             subs.append(sub)
 
+        clock = self.link.sync_fetches(t1, fetched)
         hits = codes.count(HIT)
         forced = codes.count(FORCED_FETCH)
         fetches = codes.count(FETCH) + forced
@@ -366,7 +375,7 @@ class ReferenceSimulator:
         unique = list(dict.fromkeys(x for row in rows for x in row))
 
         t1 = t0 + self._nonexpert_us[layer]
-        clock = t1
+        fetched: list[int] = []
         codes = []
         for x in unique:
             if self.resident[x]:
@@ -374,8 +383,8 @@ class ReferenceSimulator:
                 self.eviction.on_use(x, step)
             else:
                 codes.append(FETCH)
-                clock = self.link.sync_fetch(clock, x)
-                self._insert(x, step)
+                self._fetch(x, step, t1, fetched)
+        clock = self.link.sync_fetches(t1, fetched)
         stall = clock - t1
         end = clock + len(unique) * self._gpu_expert_us[layer]
         self._trim(self._pool_of_layer[layer], set(unique))

@@ -37,10 +37,11 @@ class Consts(NamedTuple):
 
     num_experts: int
     lfu_decay: float
+    token_fixed_us: float
     pool_of_layer: np.ndarray  # int32[L]
     pool_offset: np.ndarray  # int64[P]: start of a pool's segment in per-pool slot arrays
     expert_bytes: np.ndarray  # int64[L]
-    nonexpert_us: np.ndarray  # float64[L]
+    nonexpert_us: np.ndarray  # float64[L]: non-expert compute plus the fixed cost of a step
     gpu_expert_us: np.ndarray  # float64[L]
     cpu_expert_us: np.ndarray  # float64[L]
 
@@ -72,10 +73,11 @@ def make_consts(params: SimParams, layout: Layout) -> Consts:
     return Consts(
         num_experts=int(params.num_experts),
         lfu_decay=float(params.lfu_decay),
+        token_fixed_us=float(params.token_fixed_us),
         pool_of_layer=layout.pool_of_layer,
         pool_offset=layout.pool_offset,
         expert_bytes=np.ascontiguousarray(params.expert_bytes, dtype=np.int64),
-        nonexpert_us=f64(params.nonexpert_us),
+        nonexpert_us=f64(params.nonexpert_us) + float(params.step_fixed_us),
         gpu_expert_us=f64(params.gpu_expert_us),
         cpu_expert_us=f64(params.cpu_expert_us),
     )
@@ -107,7 +109,7 @@ def make_core_state(params: SimParams, layout: Layout) -> CoreState:
     )
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def make_resident(core, c, x, layer, p):
     """The cache bookkeeping of x becoming resident in pool p (the policy orders it apart)."""
     core.resident[x] = 1
@@ -118,7 +120,7 @@ def make_resident(core, c, x, layer, p):
     core.pools[p, BYTES] += c.expert_bytes[layer]
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def drop(core, c, x, p):
     """The cache bookkeeping of evicting x (already out of its policy's order structure)."""
     layer = x // c.num_experts
@@ -132,7 +134,7 @@ def drop(core, c, x, p):
     core.run_counts[RunCount.EVICTIONS] += 1
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def over_budget(core, p):
     return core.pools[p, BYTES] > core.pools[p, BUDGET]
 

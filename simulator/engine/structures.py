@@ -6,7 +6,9 @@
   segment of ``items`` (``consts.pool_offset``); ``slot[x]`` is x's position in its heap.
 - :class:`Slots`: each pool's members in its segment of ``items``, swap-removed.
 
-All functions work in the arrays they are given and allocate nothing.
+All functions work in the arrays they are given and allocate nothing. Victim searches remove
+the victim from the structure and return it; the engine does the rest of the eviction
+(:func:`simulator.engine.state.drop`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.state import drop, over_budget
 from simulator.jit import jit
 
 # rows of Lists.link and Lists.ends
@@ -31,7 +32,7 @@ def make_lists(num_items: int, num_lists: int) -> Lists:
     return Lists(np.full((2, num_items), -1, np.int32), np.full((2, num_lists), -1, np.int32))
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def list_unlink(lists, x, p):
     link, ends = lists.link, lists.ends
     a = link[PREV, x]
@@ -46,7 +47,7 @@ def list_unlink(lists, x, p):
         ends[TAIL, p] = a
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def list_append(lists, x, p):
     link, ends = lists.link, lists.ends
     t = ends[TAIL, p]
@@ -60,19 +61,16 @@ def list_append(lists, x, p):
 
 
 @jit(allocates=False)
-def list_trim(core, c, lists, p, stamp):
-    """Evict from pool p's head until the pool fits its budget, residents marked ``stamp`` last."""
+def list_victim(lists, mark, p, stamp):
+    """Unlink and return pool p's victim: the first entry from the head not marked ``stamp``,
+    or, if every entry is marked, the head."""
     x = lists.ends[HEAD, p]
-    while x >= 0 and over_budget(core, p):
-        nxt = lists.link[NEXT, x]
-        if core.mark[x] != stamp:
-            list_unlink(lists, x, p)
-            drop(core, c, x, p)
-        x = nxt
-    while over_budget(core, p):  # only marked residents are left
+    while x >= 0 and mark[x] == stamp:
+        x = lists.link[NEXT, x]
+    if x < 0:
         x = lists.ends[HEAD, p]
-        list_unlink(lists, x, p)
-        drop(core, c, x, p)
+    list_unlink(lists, x, p)
+    return x
 
 
 class Slots(NamedTuple):
@@ -86,23 +84,12 @@ def make_slots(capacity: int, num_items: int, num_pools: int) -> Slots:
                  np.zeros(num_pools, np.int64))
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def slot_append(s, c, x, p):
     n = s.count[p]
     s.items[c.pool_offset[p] + n] = x
     s.slot[x] = n
     s.count[p] = n + 1
-
-
-@jit(allocates=False)
-def slot_swap_remove(s, c, x, p):
-    off = c.pool_offset[p]
-    n = s.count[p] - 1
-    last = s.items[off + n]
-    j = s.slot[x]
-    s.items[off + j] = last
-    s.slot[last] = j
-    s.count[p] = n
 
 
 class Heap(NamedTuple):
@@ -111,15 +98,18 @@ class Heap(NamedTuple):
     hkey2: np.ndarray  # int64[capacity]
     slot: np.ndarray  # int32[X]
     count: np.ndarray  # int64[P]
+    aside: np.ndarray  # int32[X]: residents set aside during a trim (used in the step)
+    trim: np.ndarray  # int64[2]: set aside so far, taken back as victims so far
 
 
 def make_heap(capacity: int, num_items: int, num_pools: int) -> Heap:
     return Heap(np.zeros(capacity, np.int32), np.zeros(capacity, np.float64),
                 np.zeros(capacity, np.int64), np.zeros(num_items, np.int32),
-                np.zeros(num_pools, np.int64))
+                np.zeros(num_pools, np.int64), np.zeros(num_items, np.int32),
+                np.zeros(2, np.int64))
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def _before(a1, a2, ax, b1, b2, bx):
     if a1 != b1:
         return a1 < b1
@@ -128,7 +118,7 @@ def _before(a1, a2, ax, b1, b2, bx):
     return ax < bx
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def _place(h, q, x, k1, k2, off):
     h.items[q] = x
     h.hkey1[q] = k1
@@ -195,19 +185,6 @@ def heap_rekey(h, c, x, p, k1, k2):
 
 
 @jit(allocates=False)
-def heap_pop(h, c, p):
-    """Remove and return the top of pool p's heap."""
-    off = c.pool_offset[p]
-    n = h.count[p] - 1
-    x = h.items[off]
-    h.count[p] = n
-    if n > 0:
-        _place(h, off, h.items[off + n], h.hkey1[off + n], h.hkey2[off + n], off)
-        _sift_down(h, 0, off, n)
-    return x
-
-
-@jit(allocates=False)
 def heap_rebuild(h, c, p, key1, key2):
     """Store every entry's current key (``key1[x]``, ``key2[x]``) and heapify."""
     off = c.pool_offset[p]
@@ -221,35 +198,43 @@ def heap_rebuild(h, c, p, key1, key2):
 
 
 @jit(allocates=False)
-def heap_trim(core, c, h, p, stamp, key1, key2):
-    """Evict from pool p down to its budget in key order, residents marked ``stamp`` last.
+def heap_victim(h, off, p, stamp, key1, key2, mark):
+    """Remove and return pool p's victim in key order, residents marked ``stamp`` last.
 
-    ``key1[x]``, ``key2[x]``: each resident's current key. A stored key may lag behind (keys
-    that only grow are refreshed lazily): a stale key at the top is refreshed and sifted down
-    before the top is trusted. Marked residents are set aside (in key order) and pushed back.
+    ``off``: the pool's segment start; ``key1[x]``, ``key2[x]``: each resident's current key. A
+    stored key may lag behind (keys that only grow are refreshed lazily): a stale key at the top
+    is refreshed and sifted down before the top is trusted. Marked residents are set aside (in
+    key order), taken back as victims once the heap is empty, and the rest pushed back by
+    :func:`heap_end_trim`.
     """
-    off = c.pool_offset[p]
-    aside = 0
-    taken = 0
-    while over_budget(core, p):
-        if h.count[p] > 0:
-            victim = h.items[off]
-            k1 = key1[victim]
-            k2 = key2[victim]
-            if k1 != h.hkey1[off] or k2 != h.hkey2[off]:
-                h.hkey1[off] = k1
-                h.hkey2[off] = k2
-                _sift_down(h, 0, off, h.count[p])
-                continue
-            heap_pop(h, c, p)
-            if core.mark[victim] == stamp:
-                core.scratch[aside] = victim
-                aside += 1
-                continue
-        else:
-            victim = core.scratch[taken]
-            taken += 1
-        drop(core, c, victim, p)
-    for i in range(taken, aside):
-        y = core.scratch[i]
+    while h.count[p] > 0:
+        top = h.items[off]
+        k1 = key1[top]
+        k2 = key2[top]
+        if k1 != h.hkey1[off] or k2 != h.hkey2[off]:
+            h.hkey1[off] = k1
+            h.hkey2[off] = k2
+            _sift_down(h, 0, off, h.count[p])
+            continue
+        n = h.count[p] - 1
+        h.count[p] = n
+        if n > 0:
+            _place(h, off, h.items[off + n], h.hkey1[off + n], h.hkey2[off + n], off)
+            _sift_down(h, 0, off, n)
+        if mark[top] != stamp:
+            return top
+        h.aside[h.trim[0]] = top
+        h.trim[0] += 1
+    x = h.aside[h.trim[1]]
+    h.trim[1] += 1
+    return x
+
+
+@jit(allocates=False)
+def heap_end_trim(h, c, p, key1, key2):
+    """Push back the residents a trim set aside and did not evict."""
+    for i in range(h.trim[1], h.trim[0]):
+        y = h.aside[i]
         heap_push(h, c, y, p, key1[y], key2[y])
+    h.trim[0] = 0
+    h.trim[1] = 0

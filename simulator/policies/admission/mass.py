@@ -34,12 +34,12 @@ def accumulate(acc, gate, beta):
 _accumulate = jit(accumulate, allocates=False)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_substitute(core, st, c, link, x, gate, t1):
     new_acc, admit = _accumulate(st.acc[x], gate, st.beta)
     st.acc[x] = new_acc
     if admit:
-        enqueue(core, link, x, t1)
+        enqueue(core.run_counts, link, x, t1)
 
 
 class Reference:

@@ -7,7 +7,7 @@ from simulator.policies import NoState, no_state
 State, make_state = NoState, no_state
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_substitute(core, st, c, link, x, gate, t1):
     pass
 

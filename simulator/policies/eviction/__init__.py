@@ -15,8 +15,11 @@ step ordinal):
   rank i), after its frequency rose
 - ``on_group(core, st, c, ch, a, b)``: the group of chunk rows ``a..b-1`` starts
 - ``on_rescale(core, st, c)``: every frequency was divided by the increment (``lfu_decay``)
-- ``trim(core, st, c, p, stamp)``: evict from pool p down to its budget, residents marked
-  ``stamp`` last, each victim through :func:`simulator.engine.state.drop`
+- ``victim(core, st, c, p, stamp) -> x``: remove pool p's next victim from the policy's order
+  and return it, residents marked ``stamp`` (used in the step) last; the engine then drops it
+  (:func:`simulator.engine.state.drop`) and asks again while the pool is over budget
+- ``end_trim(core, st, c, p)``: the trim of pool p is over (restore what a victim search set
+  aside)
 
 Reference twin ``Reference(sim)`` (plain Python, ``sim`` the reference engine): ``on_insert(x,
 step)``, ``on_use(x, step)``, ``on_select(x, layer, step, token, next_group)`` (``token``: the

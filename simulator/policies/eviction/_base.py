@@ -1,7 +1,7 @@
 """Pieces several eviction policies share: no-op hooks and the reference twins' common parts."""
 from __future__ import annotations
 
-from simulator.engine.structures import make_lists
+from simulator.engine.structures import heap_end_trim, heap_victim, make_lists
 from simulator.jit import jit
 
 NEVER_GROUP = 2**31 - 1  # in next-use rows (int32 group ordinals): never selected again
@@ -13,19 +13,41 @@ def make_pool_lists(params, layout, first_use=None):
     return make_lists(params.num_layers * params.num_experts, layout.pool_budget_bytes.shape[0])
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def ignore_select(core, st, c, chunk, t, layer, i, x, p, s):
     pass
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def ignore_group(core, st, c, ch, a, b):
     pass
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def ignore_rescale(core, st, c):
     pass
+
+
+@jit(allocates=False, inline=True)
+def ignore_end_trim(core, st, c, p):
+    pass
+
+
+def heap_order_hooks(heap_keys):
+    """``victim`` and ``end_trim`` of a policy whose pools are indexed heaps keyed by
+    ``heap_keys(core, st) -> (key1[X], key2[X])`` (the state's ``heap``)."""
+
+    @jit(allocates=False, inline=True)
+    def victim(core, st, c, p, stamp):
+        key1, key2 = heap_keys(core, st)
+        return heap_victim(st.heap, c.pool_offset[p], p, stamp, key1, key2, core.mark)
+
+    @jit(allocates=False, inline=True)
+    def end_trim(core, st, c, p):
+        key1, key2 = heap_keys(core, st)
+        heap_end_trim(st.heap, c, p, key1, key2)
+
+    return victim, end_trim
 
 
 class ReferenceBase:

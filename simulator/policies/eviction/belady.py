@@ -12,12 +12,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.structures import Heap, heap_push, heap_rekey, heap_trim, make_heap
+from simulator.engine.structures import (
+    Heap,
+    heap_push,
+    heap_rekey,
+    make_heap,
+)
 from simulator.jit import jit
 from simulator.policies.eviction._base import (
     NEVER_GROUP,
     NEVER_STEP,
     ReferenceBase,
+    heap_order_hooks,
     ignore_group,
     ignore_rescale,
 )
@@ -52,17 +58,17 @@ def make_state(params, layout, first_use=None):
     return State(heap, np.zeros(X, np.float64), neg_next)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
     heap_push(st.heap, c, x, p, 0.0, st.neg_next[x])
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
     pass
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_select(core, st, c, chunk, t, layer, i, x, p, s):
     L = chunk.experts.shape[1]
     st.neg_next[x] = -_next_use_step(chunk.next_use[t, layer, i], layer, L)
@@ -79,10 +85,7 @@ def heap_keys(core, st):
     return st.zeros, st.neg_next
 
 
-@jit(allocates=False)
-def trim(core, st, c, p, stamp):
-    key1, key2 = heap_keys(core, st)
-    heap_trim(core, c, st.heap, p, stamp, key1, key2)
+victim, end_trim = heap_order_hooks(heap_keys)
 
 
 class Reference(ReferenceBase):

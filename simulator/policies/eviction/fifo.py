@@ -6,33 +6,35 @@ from __future__ import annotations
 
 import itertools
 
-from simulator.engine.structures import list_append, list_trim
+from simulator.engine.structures import list_append, list_victim
 from simulator.jit import jit
 from simulator.policies.eviction._base import (
     ReferenceBase,
+    ignore_end_trim,
     ignore_group,
     ignore_rescale,
     ignore_select,
     make_pool_lists,
 )
 
-on_select, on_group, on_rescale = ignore_select, ignore_group, ignore_rescale
+on_select, on_group, on_rescale, end_trim = (ignore_select, ignore_group, ignore_rescale,
+                                             ignore_end_trim)
 make_state = make_pool_lists
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
     list_append(st, x, p)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
     pass
 
 
-@jit(allocates=False)
-def trim(core, st, c, p, stamp):
-    list_trim(core, c, st, p, stamp)
+@jit(allocates=False, inline=True)
+def victim(core, st, c, p, stamp):
+    return list_victim(st, core.mark, p, stamp)
 
 
 class Reference(ReferenceBase):

@@ -11,9 +11,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.structures import Heap, heap_push, heap_rebuild, heap_trim, make_heap
+from simulator.engine.structures import (
+    Heap,
+    heap_push,
+    heap_rebuild,
+    make_heap,
+)
 from simulator.jit import jit
-from simulator.policies.eviction._base import ReferenceBase, ignore_group, ignore_select
+from simulator.policies.eviction._base import (
+    ReferenceBase,
+    heap_order_hooks,
+    ignore_group,
+    ignore_select,
+)
 
 on_select, on_group = ignore_select, ignore_group
 
@@ -29,18 +39,18 @@ def make_state(params, layout, first_use=None):
     return State(heap, np.zeros(X, np.int64))
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
     st.last_use[x] = s
     heap_push(st.heap, c, x, p, core.freq[x], s)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
     st.last_use[x] = s  # the heap key is refreshed lazily
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_rescale(core, st, c):
     for p in range(c.pool_offset.shape[0]):
         heap_rebuild(st.heap, c, p, core.freq, st.last_use)
@@ -55,10 +65,7 @@ def heap_keys(core, st):
     return core.freq, st.last_use
 
 
-@jit(allocates=False)
-def trim(core, st, c, p, stamp):
-    key1, key2 = heap_keys(core, st)
-    heap_trim(core, c, st.heap, p, stamp, key1, key2)
+victim, end_trim = heap_order_hooks(heap_keys)
 
 
 class Reference(ReferenceBase):

@@ -14,10 +14,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.structures import Heap, heap_push, heap_trim, make_heap
+from simulator.engine.structures import Heap, heap_push, make_heap
 from simulator.jit import jit
 from simulator.policies.eviction._base import (
     ReferenceBase,
+    heap_order_hooks,
     ignore_group,
     ignore_rescale,
     ignore_select,
@@ -47,7 +48,7 @@ def heap_keys(core, st):
     return st.second_last, st.last
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def _use(st, x, s):
     if st.used[x]:
         st.second_last[x] = st.last[x]
@@ -55,21 +56,18 @@ def _use(st, x, s):
     st.last[x] = s
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
     _use(st, x, s)
     heap_push(st.heap, c, x, p, st.second_last[x], st.last[x])
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
     _use(st, x, s)  # the heap key is refreshed lazily
 
 
-@jit(allocates=False)
-def trim(core, st, c, p, stamp):
-    key1, key2 = heap_keys(core, st)
-    heap_trim(core, c, st.heap, p, stamp, key1, key2)
+victim, end_trim = heap_order_hooks(heap_keys)
 
 
 class Reference(ReferenceBase):

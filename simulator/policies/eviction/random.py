@@ -11,17 +11,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.state import drop, over_budget
-from simulator.engine.structures import Slots, make_slots, slot_append, slot_swap_remove
+from simulator.engine.structures import Slots, make_slots, slot_append
 from simulator.jit import jit
 from simulator.policies.eviction._base import (
     ReferenceBase,
+    ignore_end_trim,
     ignore_group,
     ignore_rescale,
     ignore_select,
 )
 
-on_select, on_group, on_rescale = ignore_select, ignore_group, ignore_rescale
+on_select, on_group, on_rescale, end_trim = (ignore_select, ignore_group, ignore_rescale,
+                                             ignore_end_trim)
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 
 
@@ -51,33 +52,39 @@ def make_state(params, layout, first_use=None):
     return State(slots, np.array([int(params.seed) % 2**64], dtype=np.uint64))
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
     slot_append(st.slots, c, x, p)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
     pass
 
 
+@jit(allocates=False, inline=True)
+def victim(core, st, c, p, stamp):
+    return _draw(st.slots, st.rng, c.pool_offset[p], p, stamp, core.mark)
+
+
 @jit(allocates=False)
-def trim(core, st, c, p, stamp):
-    off = c.pool_offset[p]
-    items = st.slots.items
-    while over_budget(core, p):
-        n = st.slots.count[p]
-        state, z = _splitmix64(st.rng[0])
-        st.rng[0] = state
-        j = np.int64(z % np.uint64(n))
-        victim = items[off + j]
-        for d in range(n):
-            y = items[off + (j + d) % n]
-            if core.mark[y] != stamp:
-                victim = y
-                break
-        slot_swap_remove(st.slots, c, victim, p)
-        drop(core, c, victim, p)
+def _draw(slots, rng, off, p, stamp, mark):
+    n = slots.count[p]
+    state, z = _splitmix64(rng[0])
+    rng[0] = state
+    j = np.int64(z % np.uint64(n))
+    x = slots.items[off + j]
+    for d in range(n):
+        y = slots.items[off + (j + d) % n]
+        if mark[y] != stamp:
+            x = y
+            break
+    n -= 1
+    last = slots.items[off + n]
+    slots.items[off + slots.slot[x]] = last
+    slots.slot[last] = slots.slot[x]
+    slots.count[p] = n
+    return x
 
 
 class Reference(ReferenceBase):

@@ -17,9 +17,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.structures import Heap, heap_push, heap_rekey, heap_trim, make_heap
+from simulator.engine.structures import (
+    Heap,
+    heap_push,
+    heap_rekey,
+    make_heap,
+)
 from simulator.jit import jit
-from simulator.policies.eviction._base import ReferenceBase, ignore_rescale
+from simulator.policies.eviction._base import ReferenceBase, heap_order_hooks, ignore_rescale
 
 on_rescale = ignore_rescale
 LAZY_KEYS = False  # re-keyed at every change
@@ -58,14 +63,14 @@ def heap_keys(core, st):
     return st.counts, st.last_use
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def _changed(core, st, c, x):
     if core.resident[x]:
         heap_rekey(st.heap, c, x, c.pool_of_layer[x // c.num_experts], st.counts[x],
                    st.last_use[x])
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_group(core, st, c, ch, a, b):
     W = st.ring.shape[0]
     L, K = st.ring.shape[1], st.ring.shape[2]
@@ -83,7 +88,7 @@ def on_group(core, st, c, ch, a, b):
     st.cursor[COUNT_FROM] = first + n - W
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_select(core, st, c, ch, t, layer, i, x, p, s):
     j = st.cursor[FIRST] + (t - st.cursor[ROW])
     if j >= st.cursor[COUNT_FROM]:
@@ -92,22 +97,19 @@ def on_select(core, st, c, ch, t, layer, i, x, p, s):
         _changed(core, st, c, x)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
     st.last_use[x] = s
     heap_push(st.heap, c, x, p, st.counts[x], s)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
     st.last_use[x] = s
     heap_rekey(st.heap, c, x, p, st.counts[x], s)
 
 
-@jit(allocates=False)
-def trim(core, st, c, p, stamp):
-    key1, key2 = heap_keys(core, st)
-    heap_trim(core, c, st.heap, p, stamp, key1, key2)
+victim, end_trim = heap_order_hooks(heap_keys)
 
 
 class Reference(ReferenceBase):

@@ -10,7 +10,7 @@ USES_SUBSTITUTES = False
 State, make_state = NoState, no_state
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def serve(st, rank, gate):
     return CPU
 

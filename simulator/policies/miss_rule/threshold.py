@@ -28,7 +28,7 @@ def fetch_on_miss(rank, gate, protect_ranks, tau):
 _fetch_on_miss = jit(fetch_on_miss, allocates=False)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def fetch(rule, rank, gate):
     return _fetch_on_miss(rank, gate, rule.protect_ranks, rule.tau)
 

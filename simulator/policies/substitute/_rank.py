@@ -4,8 +4,13 @@ from __future__ import annotations
 from simulator.jit import jit
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def rank_residents(core, layer, scores, m, stamp):
+    return _rank(core.layer_res, core.layer_res_n, core.mark, core.scratch, layer, scores, m, stamp)
+
+
+@jit(allocates=False)
+def _rank(layer_res, layer_res_n, mark, out, layer, scores, m, stamp):
     """The up to ``m`` best candidates of a step, best first, into ``core.scratch``; how many.
 
     Candidates are the layer's residents not marked ``stamp``, by ``scores[e]`` (float[E])
@@ -14,11 +19,10 @@ def rank_residents(core, layer, scores, m, stamp):
     """
     E = scores.shape[0]
     base = layer * E
-    out = core.scratch
     n = 0
-    for j in range(core.layer_res_n[layer]):
-        y = core.layer_res[layer, j]
-        if core.mark[y] == stamp:
+    for j in range(layer_res_n[layer]):
+        y = layer_res[layer, j]
+        if mark[y] == stamp:
             continue
         v = scores[y - base]
         if n == m:
@@ -40,7 +44,7 @@ def rank_residents(core, layer, scores, m, stamp):
     return n
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def take_next(core, n_cand, next_cand):
     """The next ranked candidate (-1 when they are used up) and the advanced cursor."""
     if next_cand < n_cand:

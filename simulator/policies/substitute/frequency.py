@@ -12,7 +12,7 @@ NEEDS_LOGITS = False
 State, make_state = NoState, no_state
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def choose(core, st, c, chunk, a, layer, want, stamp, n_cand, next_cand):
     if n_cand < 0:
         base = layer * c.num_experts

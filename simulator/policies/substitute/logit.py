@@ -15,7 +15,7 @@ NEEDS_LOGITS = True
 State, make_state = NoState, no_state
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def choose(core, st, c, chunk, a, layer, want, stamp, n_cand, next_cand):
     if n_cand < 0:
         n_cand = rank_residents(core, layer, chunk.logits[a, layer], want, stamp)
