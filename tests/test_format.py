@@ -127,13 +127,14 @@ def test_write_trace_of_a_read_chunk_reads_back_equal(good_file, tmp_path):
     assert chunks_equal(again, chunk)
 
 
-def test_empty_trace(tmp_path):
+def test_empty_traces_are_neither_written_nor_opened(good_file, tmp_path):
     path = tmp_path / "empty.parquet"
-    with TraceWriter(path, make_meta()):
+    with pytest.raises(InputError, match="no tokens were written"), TraceWriter(path, make_meta()):
         pass
-    reader = open_trace(path)
-    assert reader.num_tokens == 0 and list(reader.iter_chunks()) == []
-    assert read_trace(path)[1].num_tokens == 0
+    assert not path.exists() and [p.name for p in tmp_path.iterdir()] == ["good.parquet"]
+    rewrite(good_file, path, pq.read_table(good_file).slice(0, 0))  # a 0-row file written by hand
+    with pytest.raises(InputError, match="no rows"):
+        open_trace(path)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8, 13, 1000])

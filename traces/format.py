@@ -39,12 +39,26 @@ Reading streams by Parquet row group: a chunk holds whole groups and, by default
 ``CHUNK_BYTES`` of decoded arrays, so memory follows the chunk size, not the file size. Every bad
 input raises :class:`traces.errors.InputError` with one line naming the file, the field and the
 fix; metadata and schema are checked on open, rows and values per chunk while streaming.
+
+Integrity: files are written with Parquet page checksums (CRC-32 of every page), verified on
+every read, and with a content hash (key ``moe_trace_content``: ``sha256:<hex>`` of the
+metadata JSON and every column's decoded values, see :class:`ContentHash`) that
+:meth:`TraceReader.verify` checks (``moe-trace info --verify``, and the trace cache before it
+keeps a copy). Files written before carry neither and still read; ``moe-trace repack`` adds both.
+
+Bounds: metadata integers are checked against caps named in the messages (``num_experts`` and
+``num_layers`` at most 32767: ids and layers are int16 on disk; byte sizes at most 2**40 per
+layer) before any arithmetic; a file with no rows, nulls in any column, or a read that would
+need more memory than is available (estimated before allocating) is refused.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import secrets
+import re
+import resource
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -54,10 +68,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from traces.atomic import output_errors, remove_orphans, temp_path
 from traces.errors import InputError
 
 SCHEMA_VERSION = 1
 META_KEY = b"moe_trace"
+CONTENT_KEY = b"moe_trace_content"  # "sha256:<hex>" of the decoded content (ContentHash)
+META_HASH_KEY = b"moe_trace_sha256"  # hex SHA-256 of the metadata JSON, checked on every open
+MAX_IDS = 2**15 - 1  # experts, layers and domains are numbered in int16 columns on disk
+MAX_LAYER_BYTES = 2**40  # sanity cap on the bytes of one expert, or of one layer's dense weights
+MAX_LAYER_ID = 2**31 - 1
+_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
 CHUNK_BYTES = 64 * 2**20  # decoded bytes a default chunk aims at
@@ -102,7 +123,7 @@ class TraceMeta:
         """Parse and check the metadata JSON; ``where`` names the file in error messages."""
         try:
             raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise InputError(
                 f"{where}: metadata 'moe_trace' is not valid JSON ({_one_line(exc)}); "
                 "re-create the trace with moe-trace or the capture tool"
@@ -144,23 +165,26 @@ class TraceMeta:
         if self.schema_version != SCHEMA_VERSION:
             raise bad("schema_version", f"is {self.schema_version}, only {SCHEMA_VERSION} is supported",
                       "write schema_version 1")
-        for name in ("num_layers", "num_experts", "top_k"):
-            if getattr(self, name) < 1:
-                raise bad(name, f"is {getattr(self, name)}", "it must be at least 1")
+        for name, (low, high, why) in META_BOUNDS.items():  # before any arithmetic on them
+            value = getattr(self, name)
+            for i, v in enumerate(value if isinstance(value, list) else [value]):
+                if not low <= v <= high:
+                    at = f" at layer {i}" if isinstance(value, list) else ""
+                    side = f"below {low}" if v < low else f"above the cap {high:,} ({why})"
+                    raise bad(name, f"is {v}{at}, {side}", "fix 'moe_trace' or re-create the trace")
+        if len(self.domains) > MAX_IDS:
+            raise bad("domains", f"has {len(self.domains)} names, above the cap {MAX_IDS} (the domain "
+                      "column is int16)", "merge domains")
         if self.top_k > self.num_experts:
             raise bad("top_k", f"is {self.top_k} > num_experts {self.num_experts}",
                       "top_k must not exceed num_experts")
         if len(self.expert_bytes) != self.num_layers:
             raise bad("expert_bytes", f"has {len(self.expert_bytes)} entries for {self.num_layers} layers",
                       "give one byte size per MoE layer")
-        if min(self.expert_bytes, default=1) < 1:
-            raise bad("expert_bytes", "has a size below 1 byte", "give each layer's expert size in bytes")
         for name in ("dense_bytes", "layer_ids"):
             if len(getattr(self, name)) not in (0, self.num_layers):
                 raise bad(name, f"has {len(getattr(self, name))} entries for {self.num_layers} layers",
                           "give one entry per MoE layer or none")
-        if min(self.dense_bytes, default=0) < 0:
-            raise bad("dense_bytes", "has a negative size", "give non-negative byte sizes")
         if self.score_function not in SCORE_FUNCTIONS:
             raise bad("score_function", f"is {self.score_function!r}", f"use one of {', '.join(SCORE_FUNCTIONS)}")
         r = self.logits_top_r
@@ -170,6 +194,17 @@ class TraceMeta:
             raise bad("logits_top_r", problem,
                       "keep at least the top_k selected experts' logits, or write 0 for all logits")
 
+
+# integer metadata: field -> (lowest, highest, why the cap); checked per entry for lists
+META_BOUNDS = {
+    "num_layers": (1, MAX_IDS, "layers are numbered in an int16 column"),
+    "num_experts": (1, MAX_IDS, "expert ids are int16 on disk"),
+    "top_k": (1, MAX_IDS, "expert ids are int16 on disk"),
+    "logits_top_r": (0, MAX_IDS, "expert ids are int16 on disk"),
+    "expert_bytes": (1, MAX_LAYER_BYTES, "a sanity cap of 1 TiB per expert"),
+    "dense_bytes": (0, MAX_LAYER_BYTES, "a sanity cap of 1 TiB per layer"),
+    "layer_ids": (0, MAX_LAYER_ID, "model layer indices are int32"),
+}
 
 _TYPE_CHECKS = {
     "str": lambda v: isinstance(v, str),
@@ -309,7 +344,7 @@ def make_chunk(
     cols = _columns(meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
                     logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
     t, num_layers = cols["seq"].shape[0], meta.num_layers
-    gates = cols["weights"] / cols["weights"].sum(axis=-1, keepdims=True)
+    gates = normalised_gates(cols["weights"])
     logits = cols.get("logits")
     residency = cols.get("residency")
     return TraceChunk(
@@ -327,6 +362,26 @@ def make_chunk(
                    else np.zeros((0, num_layers, meta.top_k), np.int8)),
         nll=cols.get("nll"),
     )
+
+
+def normalised_gates(weights: np.ndarray) -> np.ndarray:
+    """Gate weights (T, L, k) divided by their sum per token-layer, as float32.
+
+    In float32, as the emulation (simulator/emulate.py) and earlier versions normalise, so
+    results stay bit-identical; a token-layer whose float32 sum overflows (weights near 3e38,
+    which would make every gate 0) is normalised in float64. The gates are checked finite.
+    """
+    w = np.ascontiguousarray(weights, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        sums = w.sum(axis=-1, keepdims=True)
+    gates = w / sums
+    overflow = ~np.isfinite(sums[..., 0])
+    if overflow.any():
+        wide = w[overflow].astype(np.float64)
+        gates[overflow] = wide / wide.sum(axis=-1, keepdims=True)
+    if not np.isfinite(gates).all():
+        raise ValueError("gate weights must be finite, non-negative and of positive sum")
+    return gates
 
 
 def _columns(meta: TraceMeta, **arrays) -> dict[str, np.ndarray]:
@@ -382,7 +437,8 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
                            "each token-layer must select k distinct experts")
     if problem:
         return problem
-    bad_weight = (~np.isfinite(weights) | (weights < 0)).any(axis=-1) | (weights.sum(axis=-1) <= 0)
+    bad_weight = ((~np.isfinite(weights) | (weights < 0)).any(axis=-1)
+                  | (weights.sum(axis=-1, dtype=np.float64) <= 0))
     if bad_weight.any():
         t, layer = first(bad_weight)
         shown = [float(f"{w:.4g}") for w in weights[t, layer]]
@@ -540,11 +596,40 @@ def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+class ContentHash:
+    """SHA-256 of a trace's decoded content, independent of row groups, chunking and encoding.
+
+    The digest covers the metadata JSON and, per column present, the values in their on-disk
+    dtypes in trace order: per-token columns once per token, per-layer columns per token-layer
+    (logits as float16, top-R logits with their ``logit_ids``; ``layer`` is implied by the row
+    structure). Writer and reader feed it the same arrays, so it is what a reader decodes.
+    """
+
+    def __init__(self, meta: TraceMeta):
+        self._meta = meta.to_json().encode()
+        self._columns: dict[str, hashlib._Hash] = {}
+
+    def update(self, cols: dict[str, np.ndarray]) -> None:
+        """Add consecutive tokens' columns (on-disk dtypes, as TraceReader reads them)."""
+        for name, value in cols.items():
+            digest = self._columns.setdefault(name, hashlib.sha256())
+            digest.update(np.ascontiguousarray(value).view(np.uint8).reshape(-1).data)
+
+    def hexdigest(self) -> str:
+        whole = hashlib.sha256(b"moe-trace content v1\n" + self._meta)
+        for name in sorted(self._columns):
+            whole.update(name.encode() + b"\0" + self._columns[name].digest())
+        return "sha256:" + whole.hexdigest()
+
+
 class TraceWriter:
     """Writes whole tokens to a trace file, streaming row groups of ``row_group_tokens`` tokens.
 
     Rows go to a temporary file beside ``path``, which replaces ``path`` only when the writer
-    closes without error; an exception inside the ``with`` block leaves no file at ``path``.
+    closes without error; an exception inside the ``with`` block leaves no file at ``path``, and
+    temporaries of writers killed before them are removed when the next writer to ``path``
+    starts. A trace needs at least one token; a full disk or a permission error raises one
+    InputError naming ``path``.
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None):
@@ -554,14 +639,16 @@ class TraceWriter:
         self.row_group_tokens = row_group_tokens or default_row_group_tokens(meta)
         if not self.path.parent.is_dir():
             raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
-        # a hidden name beside the target (same file system, so the final rename is atomic);
-        # created by the Parquet writer, so it gets the usual permissions
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        if self.path.is_dir():
+            raise InputError(f"{self.path}: is a directory; give the trace a file name inside it")
+        remove_orphans(self.path.parent, self.path.name)
+        self._tmp = temp_path(self.path)  # created by the Parquet writer: the usual permissions
         self._writer: pq.ParquetWriter | None = None
         self._schema: pa.Schema | None = None
         self._pending: list[dict[str, np.ndarray]] = []
         self._pending_tokens = 0
         self._last: tuple[int, int] | None = None
+        self._content = ContentHash(meta)
         self.num_tokens = 0
 
     def write(self, *, seq, pos, phase, experts, weights, logits=None, residency=None,
@@ -579,18 +666,24 @@ class TraceWriter:
             _raise(str(self.path), problem, cols["seq"], cols["pos"])
         if "logits" in cols:
             cols.update(_stored_logits(self.meta, cols["logits"], cols["experts"]))
+        self._append(cols)
+
+    def _append(self, cols: dict[str, np.ndarray]) -> None:
+        """Append checked tokens in their on-disk form (as TraceReader reads them)."""
         if self._schema is None:
             self._schema = arrow_schema(self.meta, [n for n in _TOKEN_COLUMNS if n in cols])
         elif set(cols) != set(self._schema.names) - {"layer"}:
             raise ValueError("every write must give the same optional columns as the first")
         if not cols["seq"].size:
             return
+        self._content.update(cols)
         self._last = (int(cols["seq"][-1]), int(cols["pos"][-1]))
         self._pending.append(cols)
         self._pending_tokens += cols["seq"].shape[0]
         self.num_tokens += cols["seq"].shape[0]
         if self._pending_tokens >= self.row_group_tokens:
-            self._flush(final=False)
+            with output_errors(self.path):
+                self._flush(final=False)
 
     def write_chunk(self, chunk: TraceChunk) -> None:
         """Append a decoded chunk (its gates are written as the weights)."""
@@ -604,8 +697,6 @@ class TraceWriter:
 
     def _flush(self, final: bool) -> None:
         if self._writer is None:
-            if self._schema is None:
-                self._schema = arrow_schema(self.meta)
             self._writer = pq.ParquetWriter(self._tmp, self._schema, **parquet_options(self._schema))
         if not self._pending:
             return
@@ -621,14 +712,20 @@ class TraceWriter:
         self._pending_tokens = n - whole
 
     def close(self) -> None:
-        """Write what is pending and move the file into place."""
+        """Write what is pending, record the content hash and move the file into place."""
         try:
-            self._flush(final=True)
-            self._writer.close()
+            if not self.num_tokens:
+                raise InputError(f"{self.path}: no tokens were written; a trace needs at least one token")
+            with output_errors(self.path):
+                self._flush(final=True)
+                self._writer.add_key_value_metadata({
+                    CONTENT_KEY: self._content.hexdigest(),
+                    META_HASH_KEY: hashlib.sha256(self.meta.to_json().encode()).hexdigest()})
+                self._writer.close()
+                os.replace(self._tmp, self.path)
         except BaseException:
             self.abort()
             raise
-        os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
         """Drop everything written; ``path`` is left as it was."""
@@ -650,7 +747,8 @@ class TraceWriter:
 
 
 def parquet_options(schema: pa.Schema) -> dict:
-    """Writer settings: zstd, and byte-stream-split for float columns (about 13 % smaller logits)."""
+    """Writer settings: zstd, byte-stream-split for float columns (about 13 % smaller logits),
+    and a CRC-32 checksum on every page (verified by the reader)."""
     def leaf(f: pa.Field) -> tuple[str, pa.DataType]:
         nested = pa.types.is_fixed_size_list(f.type)
         return (f"{f.name}.list.element", f.type.value_type) if nested else (f.name, f.type)
@@ -660,48 +758,36 @@ def parquet_options(schema: pa.Schema) -> dict:
     others = [name for name, t in leaves if not pa.types.is_floating(t)]
     # dictionary encoding would take precedence over byte-stream-split: integers only
     return {"compression": "zstd", "use_dictionary": others,
-            "use_byte_stream_split": floats}
+            "use_byte_stream_split": floats, "write_page_checksum": True}
 
 
 def repack_trace(src: str | os.PathLike, dst: str | os.PathLike, logits_quantum: float | None = None,
                  model_name: str | None = None, progress: bool = False) -> TraceMeta:
-    """Rewrite a trace row group by row group, optionally rounding its logits to a quantum.
+    """Rewrite a trace in the current encoding, with page checksums and a content hash.
 
-    Rounding router logits to multiples of ``logits_quantum`` (recorded in the metadata as
-    ``extra.logits_quantum``) is lossy but keeps gate weights and expert ids exact; a quantum of
+    Every value is read, checked and written as it was, except that with ``logits_quantum``
+    the router logits are rounded to multiples of it (recorded in the metadata as
+    ``extra.logits_quantum``): lossy, but gate weights and expert ids stay exact; a quantum of
     1/32 is the resolution bf16 itself has for logits of magnitude 4 to 8.
     """
-    reader = open_trace(src)
-    meta = reader.meta
-    if model_name:
-        meta.model = model_name
-    if logits_quantum is not None:
-        if not meta.has_logits:
-            raise InputError(f"{src}: has no logits; drop --logits-quantum")
-        if not (0 < logits_quantum <= 1):
-            raise InputError(f"--logits-quantum={logits_quantum} must be in (0, 1], e.g. 0.03125")
-        meta.extra = {**meta.extra, "logits_quantum": float(logits_quantum)}
-    dst = Path(dst)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    pf = reader._pf
-    schema = pf.schema_arrow.with_metadata({META_KEY: meta.to_json().encode()})
-    try:
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as writer:
-            for i in tqdm(range(pf.num_row_groups), desc="repack", unit="row group", disable=not progress):
-                table = pf.read_row_group(i).replace_schema_metadata(schema.metadata)
+    with open_trace(src) as reader:
+        meta = reader.meta
+        if model_name:
+            meta.model = model_name
+        if logits_quantum is not None:
+            if not meta.has_logits:
+                raise InputError(f"{src}: has no logits; drop --logits-quantum")
+            if not (0 < logits_quantum <= 1):
+                raise InputError(f"--logits-quantum={logits_quantum} must be in (0, 1], e.g. 0.03125")
+            meta.extra = {**meta.extra, "logits_quantum": float(logits_quantum)}
+        with TraceWriter(dst, meta) as writer, tqdm(total=reader.num_tokens, unit="tok", desc="repack",
+                                                     disable=not progress) as bar:
+            for _, cols in reader.iter_stored():
                 if logits_quantum is not None:
-                    logits = table.column("logits").combine_chunks()
-                    values = logits.values.to_numpy(zero_copy_only=False).astype(np.float32)
-                    rounded = (np.round(values / logits_quantum) * logits_quantum).astype(np.float16)
-                    column = pa.FixedSizeListArray.from_arrays(pa.array(rounded), _logits_width(meta))
-                    table = table.set_column(table.schema.get_field_index("logits"), "logits", column)
-                writer.write_table(table, row_group_size=table.num_rows)
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        reader.close()
+                    values = cols["logits"].astype(np.float32)
+                    cols["logits"] = (np.round(values / logits_quantum) * logits_quantum).astype(np.float16)
+                writer._append(cols)
+                bar.update(cols["seq"].shape[0])
     return meta
 
 
@@ -757,6 +843,35 @@ def _numpy(table: pa.Table, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.concatenate(pieces).reshape(shape)
 
 
+def _first_null_row(column: pa.ChunkedArray) -> int | None:
+    """Index of the first row that is null or holds a null list entry, or None."""
+    offset = 0
+    for piece in column.chunks:
+        nested = pa.types.is_fixed_size_list(piece.type)
+        if piece.null_count or (nested and piece.flatten().null_count):
+            null = piece.is_null().to_numpy(zero_copy_only=False)
+            if nested:  # the entries of every row, null rows included
+                width = piece.type.list_size
+                entries = piece.values.slice(piece.offset * width, len(piece) * width)
+                null |= entries.is_null().to_numpy(zero_copy_only=False).reshape(len(piece), width).any(axis=1)
+            return offset + int(np.argmax(null))
+        offset += len(piece)
+    return None
+
+
+def _raise_on_nulls(where: str, columns: Iterable[tuple[str, pa.ChunkedArray]], first_row: int,
+                    num_layers: int) -> None:
+    for name, column in columns:
+        row = _first_null_row(column)
+        if row is not None:
+            row += first_row
+            raise InputError(
+                f"{where}: column '{name}' at row {row} (token {row // num_layers}, layer "
+                f"{row % num_layers}) is null or holds a null entry; nulls are not allowed in a "
+                "trace, re-create it"
+            )
+
+
 class TraceReader:
     """A trace file opened for streaming: ``meta``, sizes and chunk iterators of whole groups."""
 
@@ -767,17 +882,28 @@ class TraceReader:
         self.meta = _read_meta(self._pf, self._where)
         self._columns = _check_schema(self._pf.schema_arrow, self.meta, self._where)
         self.num_rows = int(self._pf.metadata.num_rows)
+        if not self.num_rows:
+            raise InputError(f"{self._where}: the trace has no rows (0 tokens); re-create it with at "
+                             "least one token")
         if self.num_rows % self.meta.num_layers:
             raise InputError(
                 f"{self._where}: {self.num_rows} rows are not a multiple of num_layers "
                 f"{self.meta.num_layers} (a token is missing layers or the file is truncated); "
                 "re-create the trace"
             )
+        md = self._pf.metadata
+        self._max_row_group_rows = max(md.row_group(i).num_rows for i in range(md.num_row_groups))
+        self._need_memory(1)  # one token and one row group
         self._plans: dict[int, np.ndarray] = {}
 
     @property
     def num_tokens(self) -> int:
         return self.num_rows // self.meta.num_layers
+
+    @property
+    def content_hash(self) -> str | None:
+        """The content hash the file records (``sha256:<hex>``), or None for older files."""
+        return _recorded_hash(self._pf, self._where)
 
     def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
         """Chunks of whole groups in trace order, each of at most ``max_tokens`` tokens.
@@ -790,9 +916,37 @@ class TraceReader:
         """The chunks of :meth:`iter_chunks`, last to first (group ids as in forward order)."""
         return self._iter(self._plan(max_tokens)[::-1], descending=True)
 
+    def iter_stored(self, max_tokens: int | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """(first group, checked columns) of each chunk in trace order, the columns in their
+        on-disk form (what TraceWriter writes, ContentHash hashes and :func:`decode_stored`
+        decodes): per-token columns (T,), per-layer ones (T, L, width), logits float16."""
+        rows = _RowGroups(self._pf, self._columns, self._where)
+        for start, stop, first_group in self._plan(max_tokens):
+            yield int(first_group), self._read_stored(rows, int(start), int(stop), descending=False)
+
+    def verify(self) -> str:
+        """Decode the whole file and check it against its recorded content hash; return the hash.
+
+        Raises InputError if the file records none (written by an older version) or if the
+        decoded content differs (the file was changed or damaged after it was written).
+        """
+        recorded = self.content_hash
+        if recorded is None:
+            raise InputError(f"{self._where}: records no content hash (written by an older version); "
+                             "moe-trace repack IN OUT writes a copy with one")
+        content = ContentHash(self.meta)
+        for _, cols in self.iter_stored():
+            content.update(cols)
+        found = content.hexdigest()
+        if found != recorded:
+            raise InputError(f"{self._where}: the decoded content has hash {found[:23]}..., the file "
+                             f"records {recorded[:23]!r}...; the file was changed or damaged after it "
+                             "was written, re-create or restore it")
+        return found
+
     def read_all(self) -> TraceChunk:
         """The whole trace as one chunk (small traces, tests)."""
-        self._plan(max(1, self.num_tokens))  # checks the row structure
+        self._plan(max(1, self.num_tokens))  # checks the row structure and the memory needed
         rows = _RowGroups(self._pf, self._columns, self._where)
         return self._read_chunk(rows, 0, self.num_tokens, 0, descending=False)
 
@@ -801,11 +955,13 @@ class TraceReader:
         for start, stop, first_group in plan:
             yield self._read_chunk(rows, int(start), int(stop), int(first_group), descending)
 
-    def _read_chunk(self, rows: _RowGroups, start: int, stop: int, first_group: int,
-                    descending: bool) -> TraceChunk:
+    def _read_stored(self, rows: _RowGroups, start: int, stop: int,
+                     descending: bool) -> dict[str, np.ndarray]:
         meta = self.meta
         num_layers, t = meta.num_layers, stop - start
         table = rows.read(start * num_layers, stop * num_layers, descending)
+        _raise_on_nulls(self._where, ((name, table.column(name)) for name in self._columns),
+                        start * num_layers, num_layers)
         per_layer = {"experts": meta.top_k, "weights": meta.top_k, "residency": meta.top_k,
                      "logits": _logits_width(meta), "logit_ids": _logits_width(meta)}
         cols = {}
@@ -815,20 +971,32 @@ class TraceReader:
             elif name != "layer":
                 cols[name] = _numpy(table, name, (t, num_layers))[:, 0].copy()
         del table
-        if "logits" in cols:
-            cols["logits"] = cols["logits"].astype(np.float32)  # once, on load
         problem = find_problem(meta, cols)
         if problem:
             _raise(self._where, problem, cols["seq"], cols["pos"])
-        if "logit_ids" in cols:
-            cols["logits"] = _dense_logits(meta, cols["logits"], cols.pop("logit_ids"))
-        return make_chunk(meta, **cols, first_group=first_group)
+        return cols
+
+    def _read_chunk(self, rows: _RowGroups, start: int, stop: int, first_group: int,
+                    descending: bool) -> TraceChunk:
+        return decode_stored(self.meta, self._read_stored(rows, start, stop, descending), first_group)
 
     def _plan(self, max_tokens: int | None) -> np.ndarray:
         max_tokens = default_max_tokens(self.meta) if max_tokens is None else int(max_tokens)
         if max_tokens not in self._plans:
-            self._plans[max_tokens] = plan_chunks(self._scan_group_starts(), self.num_tokens, max_tokens)
+            plan = plan_chunks(self._scan_group_starts(), self.num_tokens, max_tokens)
+            self._need_memory(int((plan[:, 1] - plan[:, 0]).max()))
+            self._plans[max_tokens] = plan
         return self._plans[max_tokens]
+
+    def _need_memory(self, chunk_tokens: int) -> None:
+        """Refuse, before allocating, a read whose chunk and row group exceed the free memory."""
+        meta = self.meta
+        stored_token = _token_bytes(meta, per_rank=6, per_logit=2, per_token=15, stored=True)
+        # a row group in Arrow memory, the chunk's stored copy, and the decoded chunk
+        need = (self._max_row_group_rows * (stored_token // meta.num_layers + 11)
+                + chunk_tokens * (stored_token + _token_bytes(meta, per_rank=8, per_logit=4, per_token=27)))
+        ensure_memory(need, f"decoding a chunk of {chunk_tokens:,} tokens ({meta.num_layers} layers x "
+                            f"{meta.num_experts} experts)", self._where)
 
     def _scan_group_starts(self) -> Iterator[np.ndarray]:
         """Stream the small columns, check row structure and order, yield group starts."""
@@ -871,12 +1039,27 @@ class TraceReader:
         self.close()
 
 
+def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: int) -> TraceChunk:
+    """The chunk of checked on-disk columns (:meth:`TraceReader.iter_stored`); groups from
+    ``first_group``. Logits become float32, top-R ones dense."""
+    cols = dict(stored)
+    if "logits" in cols:
+        cols["logits"] = cols["logits"].astype(np.float32)  # once, on load
+    if "logit_ids" in cols:
+        cols["logits"] = _dense_logits(meta, cols["logits"], cols.pop("logit_ids"))
+    return make_chunk(meta, **cols, first_group=first_group)
+
+
 def _whole_token_rows(pf: pq.ParquetFile, columns: list[str], tokens: int, num_layers: int,
                       where: str) -> Iterator[dict[str, np.ndarray]]:
     """Stream columns in batches of whole tokens (num_layers rows each), whatever the row groups."""
     carry: dict[str, np.ndarray] | None = None
+    first_row = 0  # of the batch
     try:
         for batch in pf.iter_batches(batch_size=tokens * num_layers, columns=columns):
+            _raise_on_nulls(where, ((name, pa.chunked_array([batch.column(name)])) for name in columns),
+                            first_row, num_layers)
+            first_row += batch.num_rows
             rows = {name: batch.column(name).to_numpy(zero_copy_only=False) for name in columns}
             if carry:
                 rows = {name: np.concatenate([carry[name], rows[name]]) for name in columns}
@@ -891,11 +1074,88 @@ def _whole_token_rows(pf: pq.ParquetFile, columns: list[str], tokens: int, num_l
         ) from None
 
 
-def _open_parquet(path: Path) -> pq.ParquetFile:
-    if not path.is_file():
-        raise InputError(f"{path}: no such trace file; check the path")
+def regular_file(path: str | os.PathLike, what: str = "trace file") -> Path:
+    """``path`` if it names a regular file; checked with stat, so a pipe or device is never opened."""
+    path = Path(path)
     try:
-        return pq.ParquetFile(path)
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such {what}; check the path") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read ({exc.strerror}); check the path and its "
+                         "permissions") from None
+    if not stat.S_ISREG(mode):
+        kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                 (stat.S_ISSOCK, "a socket"))
+        kind = next((name for test, name in kinds if test(mode)), "a special file")
+        raise InputError(f"{path}: is {kind}, not a regular file; give the path of a {what}")
+    return path
+
+
+def available_memory_bytes() -> int:
+    """Bytes this process can still allocate: the least of the system's available memory, the
+    cgroup's headroom and the address-space limit's headroom (``ulimit -v``)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    if not limits:
+        limits.append(os.sysconf("SC_AVPHYS_PAGES") * page)
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        high = (cgroup / "memory.max").read_text().strip()
+        if high != "max":
+            limits.append(int(high) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        with open("/proc/self/statm") as f:
+            limits.append(soft - int(f.read().split()[0]) * page)
+    return max(0, min(limits))
+
+
+def ensure_memory(nbytes: int, what: str, where: str) -> None:
+    """Raise InputError, before anything is allocated, if ``what`` needs more than the free memory."""
+    available = available_memory_bytes()
+    if nbytes > available:
+        raise InputError(
+            f"{where}: {what} needs about {nbytes / 2**30:,.1f} GiB ({nbytes:,} bytes), more than the "
+            f"{available / 2**30:,.1f} GiB available; check the sizes in the metadata (a damaged file "
+            "can claim absurd ones), or use a host with more memory"
+        )
+
+
+def recorded_content_hash(path: str | os.PathLike) -> str | None:
+    """The content hash a trace file records, read from its footer alone (None for older files);
+    the footer's metadata is checked as on open."""
+    pf = _open_parquet(Path(path))
+    try:
+        _read_meta(pf, str(path))
+        return _recorded_hash(pf, str(path))
+    finally:
+        pf.close()
+
+
+def _recorded_hash(pf: pq.ParquetFile, where: str) -> str | None:
+    value = (pf.metadata.metadata or {}).get(CONTENT_KEY)
+    if value is None:
+        return None
+    text = value.decode("ascii", "replace")
+    if not _HASH.fullmatch(text):
+        raise InputError(f"{where}: metadata '{CONTENT_KEY.decode()}' is {text[:80]!r}, not "
+                         "'sha256:' and 64 hex digits; the file is damaged, re-create or restore it")
+    return text
+
+
+def _open_parquet(path: Path) -> pq.ParquetFile:
+    regular_file(path)
+    try:
+        return pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(
             f"{path}: not a readable Parquet file ({_one_line(exc)}); check the path, or re-create "
@@ -910,6 +1170,10 @@ def _read_meta(pf: pq.ParquetFile, where: str) -> TraceMeta:
             f"{where}: metadata 'moe_trace' is missing (not a moe-trace file); write traces with "
             "moe-trace, the capture tool or traces.format.TraceWriter"
         )
+    recorded = kv.get(META_HASH_KEY)
+    if recorded is not None and hashlib.sha256(kv[META_KEY]).hexdigest().encode() != recorded:
+        raise InputError(f"{where}: metadata 'moe_trace' does not match its recorded SHA-256; the "
+                         "file was changed or damaged after it was written, re-create or restore it")
     return TraceMeta.from_json(kv[META_KEY], where)
 
 
