@@ -16,7 +16,8 @@ import numpy as np
 from simulator.engine.params import EVICTIONS, INITS, MISS_ACTIONS, SCOPES, SUBSTITUTE_BY, SimParams
 from simulator.hardware import layer_times, validate_profile
 from traces.errors import EXIT_INPUT_ERROR, InputError
-from traces.format import TraceMeta, slice_chunk
+from traces.format import TraceMeta
+from traces.sources import LimitedSource
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -149,34 +150,6 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         seed=int(cfg.get("seed", 0)),
     )
     return params, substitute_by
-
-
-class LimitedSource:
-    """The first ``max_tokens`` tokens of a trace (rounded up to a whole group)."""
-
-    def __init__(self, source, max_tokens: int):
-        self.source, self.meta, self.max_tokens = source, source.meta, max_tokens
-
-    def _limit(self, chunks):
-        left = self.max_tokens
-        for c in chunks:
-            if left <= 0:
-                return
-            if c.num_tokens <= left:
-                left -= c.num_tokens
-                yield c
-                continue
-            stop = left
-            while stop < c.num_tokens and c.group[stop] == c.group[stop - 1]:
-                stop += 1
-            yield slice_chunk(c, 0, stop)
-            return
-
-    def iter_chunks(self, max_tokens=None):
-        return self._limit(self.source.iter_chunks(max_tokens))
-
-    def iter_chunks_reversed(self, max_tokens=None):
-        return reversed(list(self.iter_chunks(max_tokens)))
 
 
 def open_source(trace_cfg: Mapping):

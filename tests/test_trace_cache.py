@@ -31,6 +31,13 @@ def trace_file(tiny_trace, tmp_path):
     return path
 
 
+def built(path, cache_dir):
+    """A cached source whose copy is in place (built now if it was not)."""
+    source = cached_source(path, cache_dir)
+    source.build()
+    return source
+
+
 def assert_same_chunks(a, b):
     a, b = list(a), list(b)
     assert len(a) == len(b)
@@ -57,6 +64,7 @@ def test_cached_chunks_equal_the_readers(trace_file, tmp_path, max_tokens):
 def test_second_open_reuses_the_copy_without_parquet(trace_file, tmp_path, monkeypatch):
     first = cached_source(trace_file, tmp_path / "c")
     assert first.built
+    assert sum(c.num_tokens for c in first.iter_chunks()) == 150  # the first pass builds the copy
 
     def no_parquet(path):
         raise AssertionError("the Parquet file was parsed again")
@@ -80,7 +88,7 @@ def test_the_key_is_the_content(trace_file, tmp_path, tiny_trace):
 
 def test_concurrent_builds_leave_one_complete_copy(trace_file, tmp_path):
     with ThreadPoolExecutor(4) as pool:
-        sources = list(pool.map(lambda _: cached_source(trace_file, tmp_path / "c"), range(4)))
+        sources = list(pool.map(lambda _: built(trace_file, tmp_path / "c"), range(4)))
     root = cache_root(tmp_path / "c")
     assert len({s.directory for s in sources}) == 1
     assert len(list(root.glob("[0-9a-f]*"))) == 1 and not list(root.glob(".build-*"))
@@ -118,14 +126,14 @@ def legacy_copy(path: Path, out: Path) -> Path:
 
 def test_an_edited_cached_array_with_its_mtime_restored_is_rebuilt_with_one_warning(trace_file, tmp_path,
                                                                                    capfd):
-    first = cached_source(trace_file, tmp_path / "c")
+    first = built(trace_file, tmp_path / "c")
     gates = first.directory / "gates.npy"
     st = gates.stat()
     data = bytearray(gates.read_bytes())
     data[-4:] = np.float32(0.5).tobytes()  # same size, a plausible value
     gates.write_bytes(bytes(data))
     os.utime(gates, ns=(st.st_atime_ns, st.st_mtime_ns))
-    again = cached_source(trace_file, tmp_path / "c")
+    again = built(trace_file, tmp_path / "c")
     err = capfd.readouterr().err
     assert again.built and err.count("\n") == 1 and "CRC-32" in err and "'gates'" in err
     with open_trace(trace_file) as reader:
@@ -135,7 +143,7 @@ def test_an_edited_cached_array_with_its_mtime_restored_is_rebuilt_with_one_warn
 
 @pytest.mark.parametrize("damage", ["truncated array", "garbage manifest", "old layout", "missing array"])
 def test_a_damaged_or_stale_copy_is_rebuilt_with_one_warning(trace_file, tmp_path, capfd, damage):
-    first = cached_source(trace_file, tmp_path / "c")
+    first = built(trace_file, tmp_path / "c")
     manifest = first.directory / "manifest.json"
     if damage == "truncated array":
         experts = first.directory / "experts.npy"
@@ -146,7 +154,7 @@ def test_a_damaged_or_stale_copy_is_rebuilt_with_one_warning(trace_file, tmp_pat
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "layout_version": 1}))
     else:
         (first.directory / "pos.npy").unlink()
-    again = cached_source(trace_file, tmp_path / "c")
+    again = built(trace_file, tmp_path / "c")
     err = capfd.readouterr().err
     assert again.built and err.count("\n") == 1 and err.startswith("warning: trace cache ")
     with open_trace(trace_file) as reader:
@@ -154,7 +162,7 @@ def test_a_damaged_or_stale_copy_is_rebuilt_with_one_warning(trace_file, tmp_pat
 
 
 def test_a_copied_cache_is_checked_once_then_trusted(trace_file, tmp_path, capfd, monkeypatch):
-    first = cached_source(trace_file, tmp_path / "c")
+    first = built(trace_file, tmp_path / "c")
     shutil.copytree(tmp_path / "c", tmp_path / "copy")  # new inodes: every identity differs
     checked = []
     crc32 = trace_cache._crc32
@@ -173,7 +181,7 @@ def test_a_trace_rewritten_in_place_with_its_mtime_restored_is_not_served_stale(
     write_trace(path, tiny_trace(tokens=150, seed=4).meta, tiny_trace(tokens=150, seed=4).chunk)
     legacy = legacy_copy(path, tmp_path / "legacy.parquet")
     for trace in (path, legacy):
-        before = cached_source(trace, tmp_path / "c")
+        before = built(trace, tmp_path / "c")
         st = trace.stat()
         data = trace.read_bytes()
         at = data.rindex(b'"model": "synthetic"')  # the footer's metadata: same length, valid
@@ -185,7 +193,7 @@ def test_a_trace_rewritten_in_place_with_its_mtime_restored_is_not_served_stale(
             with pytest.raises(InputError, match="does not match its recorded SHA-256"):
                 cached_source(trace, tmp_path / "c")
             continue
-        after = cached_source(trace, tmp_path / "c")
+        after = built(trace, tmp_path / "c")
         assert before.meta.model == "synthetic" and after.meta.model == "SYNTHETIC"
         assert after.built and after.directory != before.directory
 
@@ -202,6 +210,6 @@ def test_a_trace_whose_content_does_not_match_its_hash_is_not_cached(trace_file,
     damaged = tmp_path / "damaged.parquet"
     pq.write_table(table.replace_schema_metadata(kv), damaged)
     with pytest.raises(InputError, match="does not match the hash the file records"):
-        cached_source(damaged, tmp_path / "c")
+        built(damaged, tmp_path / "c")
     root = cache_root(tmp_path / "c")
     assert [p.name for p in root.iterdir() if p.name != "hashes"] == []

@@ -12,7 +12,8 @@ layer           int16                              MoE layer ordinal 0..L-1 (rea
 phase           int8                               0 = prefill, 1 = decode
 experts         fixed_size_list<int16>[k]          selected expert ids, rank order (rank 0 first)
 weights         fixed_size_list<float32>[k]        gate weights as the model applied them
-logits          fixed_size_list<float16>[E or R]   optional: router logits, all E or the top R
+logits          fixed_size_binary[2E or 2R]        optional: router logits as float16 bytes, all E
+                                                   or the top R (see *Logits encoding*)
 logit_ids       fixed_size_list<int16>[R]          with top-R logits: the expert id of each logit
 residency       fixed_size_list<int8>[k]           optional: 1 = was resident when recorded
 token_id        int32                              optional: vocabulary id of the token
@@ -34,6 +35,32 @@ JSON when 0 (all E logits), so such files read as before.
 
 A *group* is the unit the simulator processes at once: a maximal run of consecutive prefill
 tokens of one sequence (one batch per layer), or a single decode token.
+
+Logits encoding: the float16 bytes of a token-layer's logits as one fixed-size binary value,
+LZ4-compressed, so decoding is a decompression and a view. Measured on 2 cores (2,000 tokens of
+a 48 x 512 x top-10 synthetic trace, and the bundled 6 x 64 capture), read with page checksums
+verified, ms of CPU per 1k tokens to float16 / the logits column's size:
+
+=====================================  =====================  ======================
+logits column                          synthetic 48 x 512     bundled capture
+=====================================  =====================  ======================
+fixed_size_list<float16>, BSS + zstd   148 ms  64.5 MiB       2.5 ms  8.0 MiB
+fixed_size_binary + zstd                80 ms  72.8 MiB       0.7 ms  9.3 MiB
+fixed_size_binary + lz4 (the default)   21 ms  94.3 MiB       0.3 ms  14.7 MiB
+=====================================  =====================  ======================
+
+LZ4 barely compresses float16 logits (zstd's entropy coding does), so the default file is about
+as large as the raw logits and decodes at about the speed of reading them. The compact
+encoding, ``fixed_size_list<float16>`` with byte-stream-split and zstd (``TraceWriter(...,
+compact_logits=True)``, ``moe-trace repack --compact-logits``; every earlier version wrote it),
+is for files that must stay small, such as the bundled sample; readers take both. float16 ->
+float32 goes through a 256 KiB lookup table (``F16_TO_F32``), at most ``astype``'s time.
+
+Options every chunk source takes (``iter_chunks(max_tokens, *, logits=True, order_r=0)`` and
+``iter_chunks_reversed`` alike): ``logits=False`` leaves the logits column unread and undecoded
+(``chunk.logits`` is (0, L, E)); ``order_r=R`` adds ``chunk.logit_order``, per token-layer the
+ids of the R highest logits (at most E), descending, ties by lower id: the order
+``np.lexsort((ids, -logits))`` gives.
 
 Reading streams by Parquet row group: a chunk holds whole groups and, by default, about
 ``CHUNK_BYTES`` of decoded arrays, so memory follows the chunk size, not the file size. Every bad
@@ -229,7 +256,8 @@ class TraceChunk:
     0); a chunk never splits a group. ``gates`` are the normalised gate weights g (the k
     weights of a token-layer divided by their sum). ``logits`` has shape (T, L, E) when the
     trace has logits (``-inf`` outside the top R of a top-R trace), else (0, L, E);
-    ``residency`` likewise (T, L, k) or (0, L, k).
+    ``residency`` likewise (T, L, k) or (0, L, k). ``logit_order`` (T, L, R): per token-layer
+    the ids of the R highest logits, descending, ties by lower id (a source's ``order_r``).
     """
 
     seq: np.ndarray  # int32[T]
@@ -243,6 +271,11 @@ class TraceChunk:
     logits: np.ndarray  # float32[T, L, E] or [0, L, E]
     residency: np.ndarray  # int8[T, L, k] or [0, L, k]
     nll: np.ndarray | None = None  # float32[T] (NaN where absent), or None
+    logit_order: np.ndarray | None = None  # int16[T, L, R] with order_r=R, else [0, L, 0]
+
+    def __post_init__(self):
+        if self.logit_order is None:
+            self.logit_order = np.zeros((0, self.experts.shape[1], 0), np.int16)
 
     @property
     def num_tokens(self) -> int:
@@ -340,9 +373,11 @@ def make_chunk(
     """A :class:`TraceChunk` from token arrays: weights (T, L, k) become gates, dtypes as documented.
 
     The tokens must start at a group boundary; groups are numbered from ``first_group``.
+    ``logits`` may be left out of a trace that has them (the chunk then holds none).
     """
     cols = _columns(meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
-                    logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
+                    logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll,
+                    logits_optional=True)
     t, num_layers = cols["seq"].shape[0], meta.num_layers
     gates = normalised_gates(cols["weights"])
     logits = cols.get("logits")
@@ -384,7 +419,7 @@ def normalised_gates(weights: np.ndarray) -> np.ndarray:
     return gates
 
 
-def _columns(meta: TraceMeta, **arrays) -> dict[str, np.ndarray]:
+def _columns(meta: TraceMeta, logits_optional: bool = False, **arrays) -> dict[str, np.ndarray]:
     """Token arrays with shapes checked and on-disk dtypes; absent optional columns left out."""
     t = np.shape(arrays["seq"])[0]
     shape_k = (t, meta.num_layers, meta.top_k)
@@ -399,7 +434,8 @@ def _columns(meta: TraceMeta, **arrays) -> dict[str, np.ndarray]:
     cols = {}
     for name, (shape, dtype) in spec.items():
         value = arrays.get(name)
-        if name in wanted and (value is not None) != wanted[name]:
+        if name in wanted and (value is not None) != wanted[name] and not (
+                name == "logits" and logits_optional and value is None):
             raise ValueError(f"'{name}' must be given exactly when meta.has_{name} is true")
         if value is None:
             continue
@@ -446,7 +482,7 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
                        "non-negative and of positive sum", "record the gate weights the model applied")
     logits = cols.get("logits")
     if logits is not None:
-        nan = np.isnan(logits).any(axis=-1)
+        nan = (_is_nan(logits)).any(axis=-1)
         if nan.any():
             t, layer = first(nan)
             return Problem("logits", t, layer, "router logits contain NaN",
@@ -478,6 +514,13 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             return Problem("domain", t, None, f"index {domain[t]} has no name in the metadata's "
                            f"{len(meta.domains)} domains", "list every domain name in meta.domains")
     return None
+
+
+def _is_nan(values: np.ndarray) -> np.ndarray:
+    """NaN mask; float16 by its bits (numpy computes float16 isnan element by element in software)."""
+    if values.dtype != np.float16:
+        return np.isnan(values)
+    return (values.view(np.uint16) & 0x7FFF) > 0x7C00
 
 
 def _ids_problem(column: str, ids: np.ndarray, num_experts: int, first, listed: str,
@@ -530,9 +573,12 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def arrow_schema(meta: TraceMeta, token_columns: Iterable[str] = ()) -> pa.Schema:
-    """The Arrow schema of a trace file with these optional per-token columns, metadata attached."""
+def arrow_schema(meta: TraceMeta, token_columns: Iterable[str] = (), compact_logits: bool = False) -> pa.Schema:
+    """The Arrow schema of a trace file with these optional per-token columns, metadata attached;
+    ``compact_logits``: logits in the compact encoding (module docstring, *Logits encoding*)."""
     types = _arrow_types(meta)
+    if compact_logits:
+        types["logits"] = _compact_logits_type(meta)
     names = ["seq", "pos", "layer", "phase", "experts", "weights"]
     names += [name for name, present in (("logits", meta.has_logits), ("logit_ids", meta.logits_top_r > 0),
                                          ("residency", meta.has_residency)) if present]
@@ -546,7 +592,7 @@ def _arrow_types(meta: TraceMeta) -> dict[str, pa.DataType]:
     return {
         "seq": pa.int32(), "pos": pa.int32(), "layer": pa.int16(), "phase": pa.int8(),
         "experts": pa.list_(pa.int16(), k), "weights": pa.list_(pa.float32(), k),
-        "logits": pa.list_(pa.float16(), width), "logit_ids": pa.list_(pa.int16(), width),
+        "logits": pa.binary(2 * width), "logit_ids": pa.list_(pa.int16(), width),
         "residency": pa.list_(pa.int8(), k),
         "token_id": pa.int32(), "domain": pa.int16(), "nll": pa.float32(),
     }
@@ -555,6 +601,19 @@ def _arrow_types(meta: TraceMeta) -> dict[str, pa.DataType]:
 def _logits_width(meta: TraceMeta) -> int:
     """Logits stored per token-layer: R, or all E."""
     return meta.logits_top_r or meta.num_experts
+
+
+def _compact_logits_type(meta: TraceMeta) -> pa.DataType:
+    """The logits column in the compact encoding (as earlier versions wrote every trace)."""
+    return pa.list_(pa.float16(), _logits_width(meta))
+
+
+F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # 256 KiB
+
+
+def float32_logits(stored: np.ndarray) -> np.ndarray:
+    """float16 logits as float32, through the lookup table (exactly ``astype``'s values)."""
+    return np.take(F16_TO_F32, np.ascontiguousarray(stored).view(np.uint16), mode="clip")
 
 
 def _stored_logits(meta: TraceMeta, logits: np.ndarray, experts: np.ndarray) -> dict[str, np.ndarray]:
@@ -572,10 +631,52 @@ def _stored_logits(meta: TraceMeta, logits: np.ndarray, experts: np.ndarray) -> 
 
 
 def _dense_logits(meta: TraceMeta, values: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Top-R logits and their ids -> float32 (T, L, E), -inf outside the R."""
-    dense = np.full((*values.shape[:-1], meta.num_experts), -np.inf, np.float32)
-    np.put_along_axis(dense, ids.astype(np.intp), values.astype(np.float32), axis=-1)
+    """Top-R logits and their ids -> (T, L, E) in their dtype, -inf outside the R."""
+    dense = np.full((*values.shape[:-1], meta.num_experts), -np.inf, values.dtype)
+    np.put_along_axis(dense, ids.astype(np.intp), values, axis=-1)
     return dense
+
+
+def decoded_logits(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
+    """Stored float16 logits (T, L, E), or top R with their ids, as the dense float32 readers give."""
+    return float32_logits(stored if ids is None else _dense_logits(meta, stored, ids))
+
+
+_ID_BITS = 16  # a sort key holds an order-preserving logit in its high bits, 0xFFFF - id below
+
+
+def logit_order(logits: np.ndarray, r: int, ids: np.ndarray | None = None) -> np.ndarray:
+    """int16 (..., r): the ids of the ``r`` highest logits, descending, ties by lower id.
+
+    ``logits`` (..., n) float16 or float32 (not NaN); their ids are 0..n-1, or ``ids`` (...,
+    n). One sort key per logit (the logit's bits made order-preserving, above 0xFFFF - id) is
+    unique within a token-layer, so a partition and a sort of the r largest give exactly the
+    order of ``np.lexsort((ids, -logits))``.
+    """
+    bits = np.ascontiguousarray(logits).view(np.uint16 if logits.dtype == np.float16 else np.uint32)
+    key_type = np.uint32 if bits.dtype == np.uint16 else np.uint64
+    sign = bits.dtype.type(1 << (8 * bits.itemsize - 1))
+    bits = np.where(bits == sign, 0, bits)  # -0.0 ties with +0.0, as in a comparison
+    ordered = np.where(bits & sign, ~bits, bits | sign).astype(key_type)
+    if ids is None:
+        ids = np.arange(logits.shape[-1], dtype=key_type)
+    keys = (ordered << key_type(_ID_BITS)) | (key_type(0xFFFF) - ids.astype(key_type))
+    n = keys.shape[-1]
+    top = np.sort(np.partition(keys, n - r, axis=-1)[..., n - r:], axis=-1)[..., ::-1]
+    return (0xFFFF - (top & key_type(0xFFFF))).astype(np.int16)
+
+
+def stored_logit_order(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None, r: int) -> np.ndarray:
+    """:func:`logit_order` of the dense logits, from the stored float16 ones (top-R with ids).
+
+    From a top-R trace's R stored logits alone when r <= R and none of them is ``-inf`` (the
+    experts outside the R are ``-inf``: they rank lower); otherwise over the dense logits.
+    """
+    if ids is None:
+        return logit_order(stored, r)
+    if r <= ids.shape[-1] and not np.isneginf(stored).any():
+        return logit_order(stored, r, ids)
+    return logit_order(_dense_logits(meta, stored, ids), r)
 
 
 def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
@@ -590,6 +691,10 @@ def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -
         value = cols[name]
         if value.ndim == 1:
             arrays.append(pa.array(np.repeat(value, num_layers)))
+        elif pa.types.is_fixed_size_binary(schema.field(name).type):  # a token-layer's float16 bytes
+            data = np.ascontiguousarray(value, dtype=np.float16)
+            arrays.append(pa.FixedSizeBinaryArray.from_buffers(
+                schema.field(name).type, t * num_layers, [None, pa.py_buffer(data)]))
         else:
             flat = value.astype(schema.field(name).type.value_type.to_pandas_dtype(), copy=False)
             arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), value.shape[-1]))
@@ -629,12 +734,14 @@ class TraceWriter:
     closes without error; an exception inside the ``with`` block leaves no file at ``path``, and
     temporaries of writers killed before them are removed when the next writer to ``path``
     starts. A trace needs at least one token; a full disk or a permission error raises one
-    InputError naming ``path``.
+    InputError naming ``path``. ``compact_logits``: the smaller, slower logits encoding.
     """
 
-    def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None):
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None,
+                 compact_logits: bool = False):
         self.path = Path(path)
         self.meta = meta
+        self.compact_logits = compact_logits
         meta.check(str(self.path))
         self.row_group_tokens = row_group_tokens or default_row_group_tokens(meta)
         if not self.path.parent.is_dir():
@@ -671,7 +778,7 @@ class TraceWriter:
     def _append(self, cols: dict[str, np.ndarray]) -> None:
         """Append checked tokens in their on-disk form (as TraceReader reads them)."""
         if self._schema is None:
-            self._schema = arrow_schema(self.meta, [n for n in _TOKEN_COLUMNS if n in cols])
+            self._schema = arrow_schema(self.meta, [n for n in _TOKEN_COLUMNS if n in cols], self.compact_logits)
         elif set(cols) != set(self._schema.names) - {"layer"}:
             raise ValueError("every write must give the same optional columns as the first")
         if not cols["seq"].size:
@@ -747,23 +854,26 @@ class TraceWriter:
 
 
 def parquet_options(schema: pa.Schema) -> dict:
-    """Writer settings: zstd, byte-stream-split for float columns (about 13 % smaller logits),
-    and a CRC-32 checksum on every page (verified by the reader)."""
+    """Writer settings: LZ4 for the logits (see *Logits encoding*), zstd and byte-stream-split
+    for the float columns, zstd and dictionaries for the integers, and a CRC-32 checksum on
+    every page (verified by the reader)."""
     def leaf(f: pa.Field) -> tuple[str, pa.DataType]:
         nested = pa.types.is_fixed_size_list(f.type)
         return (f"{f.name}.list.element", f.type.value_type) if nested else (f.name, f.type)
 
     leaves = [leaf(f) for f in schema]
     floats = [name for name, t in leaves if pa.types.is_floating(t)]
-    others = [name for name, t in leaves if not pa.types.is_floating(t)]
+    integers = [name for name, t in leaves if pa.types.is_integer(t)]
     # dictionary encoding would take precedence over byte-stream-split: integers only
-    return {"compression": "zstd", "use_dictionary": others,
-            "use_byte_stream_split": floats, "write_page_checksum": True}
+    return {"compression": {name: "lz4" if name == "logits" else "zstd" for name, _ in leaves},
+            "use_dictionary": integers, "use_byte_stream_split": floats, "write_page_checksum": True}
 
 
 def repack_trace(src: str | os.PathLike, dst: str | os.PathLike, logits_quantum: float | None = None,
-                 model_name: str | None = None, progress: bool = False) -> TraceMeta:
-    """Rewrite a trace in the current encoding, with page checksums and a content hash.
+                 model_name: str | None = None, progress: bool = False,
+                 compact_logits: bool = False) -> TraceMeta:
+    """Rewrite a trace in the current encoding (``compact_logits``: the compact one), with page
+    checksums and a content hash.
 
     Every value is read, checked and written as it was, except that with ``logits_quantum``
     the router logits are rounded to multiples of it (recorded in the metadata as
@@ -780,7 +890,7 @@ def repack_trace(src: str | os.PathLike, dst: str | os.PathLike, logits_quantum:
             if not (0 < logits_quantum <= 1):
                 raise InputError(f"--logits-quantum={logits_quantum} must be in (0, 1], e.g. 0.03125")
             meta.extra = {**meta.extra, "logits_quantum": float(logits_quantum)}
-        with TraceWriter(dst, meta) as writer, tqdm(total=reader.num_tokens, unit="tok", desc="repack",
+        with TraceWriter(dst, meta, compact_logits=compact_logits) as writer, tqdm(total=reader.num_tokens, unit="tok", desc="repack",
                                                      disable=not progress) as bar:
             for _, cols in reader.iter_stored():
                 if logits_quantum is not None:
@@ -834,9 +944,18 @@ class _RowGroups:
 
 
 def _numpy(table: pa.Table, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A column as a numpy array of ``shape`` (list columns flattened), copied out of Arrow."""
+    """A column as a numpy array of ``shape`` (list columns flattened, binary logits viewed as
+    float16), copied out of Arrow; binary logits of one piece stay a read-only view of it (they
+    are converted, never handed out as they are)."""
     pieces = []
     for piece in table.column(name).chunks:
+        if pa.types.is_fixed_size_binary(piece.type):
+            width = piece.type.byte_width
+            data = np.frombuffer(piece.buffers()[1], np.uint8)
+            pieces.append(data[piece.offset * width:(piece.offset + len(piece)) * width].view(np.float16))
+            if len(table.column(name).chunks) == 1:
+                return pieces[0].reshape(shape)
+            continue
         if pa.types.is_fixed_size_list(piece.type):
             piece = piece.flatten()
         pieces.append(piece.to_numpy(zero_copy_only=False))  # a view where Arrow allows
@@ -905,16 +1024,20 @@ class TraceReader:
         """The content hash the file records (``sha256:<hex>``), or None for older files."""
         return _recorded_hash(self._pf, self._where)
 
-    def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+    def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
+                    order_r: int = 0) -> Iterator[TraceChunk]:
         """Chunks of whole groups in trace order, each of at most ``max_tokens`` tokens.
 
         A group longer than ``max_tokens`` comes as one chunk. Default: ~CHUNK_BYTES decoded.
+        ``logits=False``: the logits column is not read; ``order_r``: ``chunk.logit_order``
+        (module docstring, *Options*).
         """
-        return self._iter(self._plan(max_tokens), descending=False)
+        return self._iter(self._plan(max_tokens), False, logits, order_width(self.meta, order_r))
 
-    def iter_chunks_reversed(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+    def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
+                             order_r: int = 0) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first (group ids as in forward order)."""
-        return self._iter(self._plan(max_tokens)[::-1], descending=True)
+        return self._iter(self._plan(max_tokens)[::-1], True, logits, order_width(self.meta, order_r))
 
     def iter_stored(self, max_tokens: int | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """(first group, checked columns) of each chunk in trace order, the columns in their
@@ -946,26 +1069,26 @@ class TraceReader:
 
     def read_all(self) -> TraceChunk:
         """The whole trace as one chunk (small traces, tests)."""
-        self._plan(max(1, self.num_tokens))  # checks the row structure and the memory needed
-        rows = _RowGroups(self._pf, self._columns, self._where)
-        return self._read_chunk(rows, 0, self.num_tokens, 0, descending=False)
+        return next(self._iter(self._plan(max(1, self.num_tokens)), False, True, 0))
 
-    def _iter(self, plan: np.ndarray, descending: bool) -> Iterator[TraceChunk]:
-        rows = _RowGroups(self._pf, self._columns, self._where)
+    def _iter(self, plan: np.ndarray, descending: bool, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+        skipped = () if logits or order_r else ("logits", "logit_ids")
+        rows = _RowGroups(self._pf, [name for name in self._columns if name not in skipped], self._where)
         for start, stop, first_group in plan:
-            yield self._read_chunk(rows, int(start), int(stop), int(first_group), descending)
+            stored = self._read_stored(rows, int(start), int(stop), descending)
+            yield decode_stored(self.meta, stored, int(first_group), logits=logits, order_r=order_r)
 
     def _read_stored(self, rows: _RowGroups, start: int, stop: int,
                      descending: bool) -> dict[str, np.ndarray]:
         meta = self.meta
         num_layers, t = meta.num_layers, stop - start
         table = rows.read(start * num_layers, stop * num_layers, descending)
-        _raise_on_nulls(self._where, ((name, table.column(name)) for name in self._columns),
+        _raise_on_nulls(self._where, ((name, table.column(name)) for name in rows.columns),
                         start * num_layers, num_layers)
         per_layer = {"experts": meta.top_k, "weights": meta.top_k, "residency": meta.top_k,
                      "logits": _logits_width(meta), "logit_ids": _logits_width(meta)}
         cols = {}
-        for name in self._columns:
+        for name in rows.columns:
             if name in per_layer:
                 cols[name] = _numpy(table, name, (t, num_layers, per_layer[name]))
             elif name != "layer":
@@ -975,10 +1098,6 @@ class TraceReader:
         if problem:
             _raise(self._where, problem, cols["seq"], cols["pos"])
         return cols
-
-    def _read_chunk(self, rows: _RowGroups, start: int, stop: int, first_group: int,
-                    descending: bool) -> TraceChunk:
-        return decode_stored(self.meta, self._read_stored(rows, start, stop, descending), first_group)
 
     def _plan(self, max_tokens: int | None) -> np.ndarray:
         max_tokens = default_max_tokens(self.meta) if max_tokens is None else int(max_tokens)
@@ -1039,15 +1158,29 @@ class TraceReader:
         self.close()
 
 
-def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: int) -> TraceChunk:
+def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: int, *,
+                  logits: bool = True, order_r: int = 0) -> TraceChunk:
     """The chunk of checked on-disk columns (:meth:`TraceReader.iter_stored`); groups from
-    ``first_group``. Logits become float32, top-R ones dense."""
+    ``first_group``. Logits become dense float32 if ``logits``; ``order_r`` (at most E) adds
+    ``logit_order``."""
     cols = dict(stored)
-    if "logits" in cols:
-        cols["logits"] = cols["logits"].astype(np.float32)  # once, on load
-    if "logit_ids" in cols:
-        cols["logits"] = _dense_logits(meta, cols["logits"], cols.pop("logit_ids"))
-    return make_chunk(meta, **cols, first_group=first_group)
+    values, ids = cols.pop("logits", None), cols.pop("logit_ids", None)
+    if logits and values is not None:
+        cols["logits"] = decoded_logits(meta, values, ids)
+    chunk = make_chunk(meta, **cols, first_group=first_group)
+    if order_r:
+        chunk.logit_order = stored_logit_order(meta, values, ids, order_r)
+    return chunk
+
+
+def order_width(meta: TraceMeta, order_r: int) -> int:
+    """The R of ``logit_order`` for a source's ``order_r`` option: at most E; 0 for none."""
+    order_r = int(order_r)
+    if order_r < 0:
+        raise ValueError(f"order_r must be >= 0, got {order_r}")
+    if order_r and not meta.has_logits:
+        raise ValueError("order_r needs a trace with logits")
+    return min(order_r, meta.num_experts)
 
 
 def _whole_token_rows(pf: pq.ParquetFile, columns: list[str], tokens: int, num_layers: int,
@@ -1193,10 +1326,11 @@ def _check_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> list[str]:
             )
     columns = required + [name for name in _TOKEN_COLUMNS if name in schema.names]
     for name in columns:
-        found = schema.field(name).type
-        if _type_name(found) != _type_name(types[name]):
+        found = _type_name(schema.field(name).type)
+        if found != _type_name(types[name]) and not (
+                name == "logits" and found == _type_name(_compact_logits_type(meta))):
             raise InputError(
-                f"{where}: column '{name}' has type {_type_name(found)}, expected "
+                f"{where}: column '{name}' has type {found}, expected "
                 f"{_type_name(types[name])} (top_k {meta.top_k}, num_experts {meta.num_experts}"
                 f"{f', logits_top_r {meta.logits_top_r}' if meta.logits_top_r else ''} from the "
                 "metadata); rewrite the column or fix the metadata"
@@ -1237,18 +1371,36 @@ class ArraySource:
     def num_tokens(self) -> int:
         return self.chunk.num_tokens
 
-    def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
-        """Sub-chunks of at most ``max_tokens`` tokens (a longer group comes whole); None: all."""
-        return (slice_chunk(self.chunk, start, stop) for start, stop, _ in self._plan(max_tokens))
+    def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
+                    order_r: int = 0) -> Iterator[TraceChunk]:
+        """Sub-chunks of at most ``max_tokens`` tokens (a longer group comes whole); None: all.
 
-    def iter_chunks_reversed(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+        ``logits`` and ``order_r`` as the reader's (module docstring, *Options*).
+        """
+        return self._chunks(self._plan(max_tokens), logits, order_width(self.meta, order_r))
+
+    def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
+                             order_r: int = 0) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first."""
-        return (slice_chunk(self.chunk, start, stop) for start, stop, _ in self._plan(max_tokens)[::-1])
+        return self._chunks(self._plan(max_tokens)[::-1], logits, order_width(self.meta, order_r))
+
+    def _chunks(self, plan: np.ndarray, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+        for start, stop, _ in plan:
+            c = slice_chunk(self.chunk, int(start), int(stop))
+            if order_r:
+                c.logit_order = logit_order(c.logits, order_r)
+            if not logits:
+                c.logits = self.chunk.logits[:0]
+            yield c
 
     def _plan(self, max_tokens: int | None) -> np.ndarray:
-        group = self.chunk.group
-        starts = np.flatnonzero(np.diff(group, prepend=group[:1] - 1))
-        return plan_chunks([starts], self.num_tokens, max_tokens or max(1, self.num_tokens))
+        return group_plan(self.chunk.group, max_tokens or max(1, self.num_tokens))
+
+
+def group_plan(group: np.ndarray, max_tokens: int) -> np.ndarray:
+    """:func:`plan_chunks` of tokens whose global group ids are ``group`` (int64[T])."""
+    starts = np.flatnonzero(np.diff(group, prepend=group[:1] - 1))
+    return plan_chunks([starts], group.shape[0], max_tokens)
 
 
 def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
@@ -1265,6 +1417,7 @@ def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
         logits=c.logits[start:stop] if c.logits.shape[0] else c.logits,
         residency=c.residency[start:stop] if c.residency.shape[0] else c.residency,
         nll=None if c.nll is None else c.nll[start:stop],
+        logit_order=c.logit_order[start:stop] if c.logit_order.shape[0] else c.logit_order,
     )
 
 
@@ -1272,7 +1425,7 @@ def concat_chunks(chunks: list[TraceChunk]) -> TraceChunk:
     """Consecutive chunks of one trace joined into one (copies)."""
     def join(name: str) -> np.ndarray:
         parts = [getattr(c, name) for c in chunks]
-        if name in ("logits", "residency") and not any(p.shape[0] for p in parts):
+        if name in ("logits", "residency", "logit_order") and not any(p.shape[0] for p in parts):
             return parts[0]
         return np.concatenate(parts)
 

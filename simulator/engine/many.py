@@ -27,7 +27,7 @@ def default_workers() -> int:
 def decoded(source):
     """``source`` itself if its chunks come from memory; a Parquet reader's trace cache copy
     (one decode, and no Parquet file shared between threads)."""
-    from simulator.run import LimitedSource
+    from traces.sources import LimitedSource
 
     if isinstance(source, LimitedSource):
         return LimitedSource(decoded(source.source), source.max_tokens)
