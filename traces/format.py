@@ -71,7 +71,8 @@ Integrity: files are written with Parquet page checksums (CRC-32 of every page),
 every read, and with a content hash (key ``moe_trace_content``: ``sha256:<hex>`` of the
 metadata JSON and every column's decoded values, see :class:`ContentHash`) that
 :meth:`TraceReader.verify` checks (``moe-trace info --verify``, and the trace cache before it
-keeps a copy). Files written before carry neither and still read; ``moe-trace repack`` adds both.
+keeps a copy), and the SHA-256 of the metadata JSON (key ``moe_trace_sha256``), checked on every
+open. Files written before carry none of these and still read; ``moe-trace repack`` adds them.
 
 Bounds: metadata integers are checked against caps named in the messages (``num_experts`` and
 ``num_layers`` at most 32767: ids and layers are int16 on disk; byte sizes at most 2**40 per
@@ -642,28 +643,36 @@ def decoded_logits(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None) 
     return float32_logits(stored if ids is None else _dense_logits(meta, stored, ids))
 
 
-_ID_BITS = 16  # a sort key holds an order-preserving logit in its high bits, 0xFFFF - id below
+def _order_preserving(bits: np.ndarray) -> np.ndarray:
+    """Unsigned keys in the order of the floats whose bits these are (-0.0 keyed as +0.0)."""
+    sign = bits.dtype.type(1 << (8 * bits.itemsize - 1))
+    bits = np.where(bits == sign, 0, bits)
+    return np.where(bits & sign, ~bits, bits | sign)
+
+
+# a float16's sort key, shifted above the 16 bits that hold 0xFFFF - id (256 KiB)
+_F16_SORT_KEY = _order_preserving(np.arange(2**16, dtype=np.uint16)).astype(np.uint32) << np.uint32(16)
 
 
 def logit_order(logits: np.ndarray, r: int, ids: np.ndarray | None = None) -> np.ndarray:
     """int16 (..., r): the ids of the ``r`` highest logits, descending, ties by lower id.
 
     ``logits`` (..., n) float16 or float32 (not NaN); their ids are 0..n-1, or ``ids`` (...,
-    n). One sort key per logit (the logit's bits made order-preserving, above 0xFFFF - id) is
-    unique within a token-layer, so a partition and a sort of the r largest give exactly the
-    order of ``np.lexsort((ids, -logits))``.
+    n). One sort key per logit (the logit made order-preserving, above 0xFFFF - id) is unique
+    within a token-layer, so a partition and a sort of the r largest give exactly the order of
+    ``np.lexsort((ids, -logits))``. float16 keys come from a lookup table, in uint32.
     """
-    bits = np.ascontiguousarray(logits).view(np.uint16 if logits.dtype == np.float16 else np.uint32)
-    key_type = np.uint32 if bits.dtype == np.uint16 else np.uint64
-    sign = bits.dtype.type(1 << (8 * bits.itemsize - 1))
-    bits = np.where(bits == sign, 0, bits)  # -0.0 ties with +0.0, as in a comparison
-    ordered = np.where(bits & sign, ~bits, bits | sign).astype(key_type)
-    if ids is None:
-        ids = np.arange(logits.shape[-1], dtype=key_type)
-    keys = (ordered << key_type(_ID_BITS)) | (key_type(0xFFFF) - ids.astype(key_type))
-    n = keys.shape[-1]
-    top = np.sort(np.partition(keys, n - r, axis=-1)[..., n - r:], axis=-1)[..., ::-1]
-    return (0xFFFF - (top & key_type(0xFFFF))).astype(np.int16)
+    n = logits.shape[-1]
+    low = 0xFFFF - (np.arange(n) if ids is None else ids.astype(np.int64))
+    if logits.dtype == np.float16:
+        keys = np.take(_F16_SORT_KEY, np.ascontiguousarray(logits).view(np.uint16), mode="clip")
+        keys |= low.astype(np.uint32)
+    else:
+        bits = np.ascontiguousarray(logits, dtype=np.float32).view(np.uint32)
+        keys = (_order_preserving(bits).astype(np.uint64) << np.uint64(16)) | low.astype(np.uint64)
+    keys.partition(n - r, axis=-1)
+    top = np.sort(keys[..., n - r:], axis=-1)[..., ::-1]
+    return (0xFFFF - (top & 0xFFFF)).astype(np.int16)
 
 
 def stored_logit_order(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None, r: int) -> np.ndarray:
