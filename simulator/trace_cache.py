@@ -107,8 +107,9 @@ def trace_key(path: str | os.PathLike, root: Path | None = None) -> str:
     with open(path, "rb") as f:
         key = "file-" + hashlib.file_digest(f, "sha256").hexdigest()
     if memo is not None:
-        memo.parent.mkdir(exist_ok=True)
-        atomic_write_text(memo, key)
+        with contextlib.suppress(OSError):  # a read-only cache only hashes again next time
+            memo.parent.mkdir(exist_ok=True)
+            atomic_write_text(memo, key)
     return key
 
 
