@@ -107,13 +107,13 @@ def _trace_facts(path: Path) -> dict[str, Any]:
 def _read_trace_facts(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     """Metadata and content hash of one trace file, read once per report (size and mtime
     are part of the key so that a rewritten file is read again)."""
-    from simulator.trace_cache import content_hash
+    from simulator.trace_cache import trace_key
     from traces.format import open_trace
 
     try:
         with open_trace(path) as reader:
             meta, tokens = reader.meta, reader.num_tokens
-        digest = content_hash(path)
+        digest = trace_key(path).removeprefix("file-")  # the recorded content hash, else the file's
     except Exception:  # an unreadable trace costs its facts ("unknown"), never the report
         return {}
     return {"content_hash": digest, "model": meta.model, "source": meta.source or None,

@@ -13,12 +13,22 @@ import numpy as np
 
 from traces.errors import InputError
 
-# section -> field -> required
-PROFILE_FIELDS: dict[str, dict[str, bool]] = {
-    "pcie": {"latency_us": True, "bandwidth_gbps": True, "pageable_bandwidth_gbps": False},
-    "ssd": {"latency_us": True, "bandwidth_gbps": True},
-    "gpu": {"expert_fixed_us": True, "memory_bandwidth_gbps": True, "layer_fixed_us": True},
-    "cpu": {"expert_fixed_us": True, "memory_bandwidth_gbps": True},
+# sanity caps, named in the messages: a value beyond one is a typo or a unit mistake
+MAX_LATENCY_US = 1e6  # one second per transfer or call
+MAX_LINK_GBPS = 1e4  # PCIe, SSD: 10 TB/s
+MAX_MEMORY_GBPS = 1e5  # GPU or CPU memory: 100 TB/s
+MAX_HOST_RAM_BYTES = 2**50  # 1 PiB
+
+# section -> field -> (required, may be 0, cap)
+PROFILE_FIELDS: dict[str, dict[str, tuple[bool, bool, float]]] = {
+    "pcie": {"latency_us": (True, True, MAX_LATENCY_US), "bandwidth_gbps": (True, False, MAX_LINK_GBPS),
+             "pageable_bandwidth_gbps": (False, False, MAX_LINK_GBPS)},
+    "ssd": {"latency_us": (True, True, MAX_LATENCY_US), "bandwidth_gbps": (True, False, MAX_LINK_GBPS)},
+    "gpu": {"expert_fixed_us": (True, True, MAX_LATENCY_US),
+            "memory_bandwidth_gbps": (True, False, MAX_MEMORY_GBPS),
+            "layer_fixed_us": (True, True, MAX_LATENCY_US)},
+    "cpu": {"expert_fixed_us": (True, True, MAX_LATENCY_US),
+            "memory_bandwidth_gbps": (True, False, MAX_MEMORY_GBPS)},
 }
 TOP_LEVEL = {"name", "source", "host", "host_ram_bytes", "compute", "samples", *PROFILE_FIELDS}
 COMPUTE_FIELDS = ("gpu_expert_us", "nonexpert_layer_us", "cpu_expert_us")
@@ -26,61 +36,63 @@ SOURCES = ("measured", "datasheet")
 
 
 def validate_profile(profile: Mapping, origin: str = "hardware profile") -> None:
-    """Check a profile's fields, types and signs; raise InputError naming the first bad field."""
+    """Check a profile's fields, types, signs and sanity caps; raise one InputError listing every
+    bad or missing field, joined with "; "."""
     if not isinstance(profile, Mapping):
-        raise InputError(f"{origin}: expected a mapping of sections, got {type(profile).__name__}")
-    unknown = sorted(set(profile) - TOP_LEVEL)
-    if unknown:
-        raise InputError(
-            f"{origin}: unknown field 'hardware.{unknown[0]}'; allowed: {', '.join(sorted(TOP_LEVEL))}"
-        )
+        raise InputError(f"{origin}: expected a mapping of sections (pcie, ssd, gpu, cpu, ...), got "
+                         f"{type(profile).__name__}; write the profile as YAML keys and values")
+    problems = [f"unknown field 'hardware.{name}' (allowed: {', '.join(sorted(TOP_LEVEL))})"
+                for name in sorted(set(map(str, profile)) - TOP_LEVEL)]
     if profile.get("source") not in SOURCES:
-        raise InputError(
-            f"{origin}: 'hardware.source' must be one of {SOURCES}, got {profile.get('source')!r}"
-        )
+        problems.append(f"'hardware.source' must be one of {', '.join(SOURCES)}, got "
+                        f"{profile.get('source')!r}")
     for section, fields in PROFILE_FIELDS.items():
         block = profile.get(section)
         if not isinstance(block, Mapping):
-            raise InputError(f"{origin}: missing section 'hardware.{section}' ({', '.join(fields)})")
-        extra = sorted(set(block) - set(fields))
-        if extra:
-            raise InputError(
-                f"{origin}: unknown field 'hardware.{section}.{extra[0]}' (units are in the "
-                f"field name; allowed: {', '.join(fields)})"
-            )
-        for name, required in fields.items():
+            problems.append(f"missing section 'hardware.{section}' ({', '.join(fields)})" if block is None
+                            else f"'hardware.{section}' must map {', '.join(fields)} to numbers")
+            continue
+        problems += [f"unknown field 'hardware.{section}.{name}' (units are in the field name, "
+                     f"allowed: {', '.join(fields)})" for name in sorted(set(map(str, block)) - set(fields))]
+        for name, (required, zero, cap) in fields.items():
             value = block.get(name)
             if value is None:
                 if required:
-                    raise InputError(f"{origin}: missing field 'hardware.{section}.{name}'")
+                    problems.append(f"missing field 'hardware.{section}.{name}'")
                 continue
-            _check_number(value, f"hardware.{section}.{name}", origin, positive=name.endswith("gbps"))
+            problems += _number_problems(value, f"hardware.{section}.{name}", zero, cap)
     ram = profile.get("host_ram_bytes")
     if ram is not None:
-        _check_number(ram, "hardware.host_ram_bytes", origin, positive=True)
+        problems += _number_problems(ram, "hardware.host_ram_bytes", False, MAX_HOST_RAM_BYTES)
     compute = profile.get("compute") or {}
     if not isinstance(compute, Mapping):
-        raise InputError(f"{origin}: 'hardware.compute' must map model names to measured times")
+        problems.append("'hardware.compute' must map model names to measured times")
+        compute = {}
     for model, times in compute.items():
         if not isinstance(times, Mapping):
-            raise InputError(f"{origin}: 'hardware.compute.{model}' must be a mapping")
+            problems.append(f"'hardware.compute.{model}' must map {', '.join(COMPUTE_FIELDS)} to times")
+            continue
         for name, value in times.items():
             if name not in COMPUTE_FIELDS:
-                raise InputError(
-                    f"{origin}: unknown field 'hardware.compute.{model}.{name}'; "
-                    f"allowed: {', '.join(COMPUTE_FIELDS)}"
-                )
-            _check_number(value, f"hardware.compute.{model}.{name}", origin, positive=True)
+                problems.append(f"unknown field 'hardware.compute.{model}.{name}' "
+                                f"(allowed: {', '.join(COMPUTE_FIELDS)})")
+            else:
+                problems += _number_problems(value, f"hardware.compute.{model}.{name}", False,
+                                             MAX_LATENCY_US)
+    if problems:
+        raise InputError(f"{origin}: {'; '.join(problems)}")
 
 
-def _check_number(value, field: str, origin: str, positive: bool) -> None:
+def _number_problems(value, field: str, zero: bool, cap: float) -> list[str]:
+    """What is wrong with one number of a profile (nothing: an empty list)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputError(
-            f"{origin}: '{field}' must be a number (units are in the name), got {value!r}"
-        )
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        need = "> 0" if positive else ">= 0"
-        raise InputError(f"{origin}: '{field}' must be finite and {need}, got {value!r}")
+        return [f"'{field}' must be a number (units are in the name), got {value!r}"]
+    low = ">= 0" if zero else "> 0"
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        return [f"'{field}' must be finite and {low}, got {value!r}"]
+    if value > cap:
+        return [f"'{field}' is {value:g}, above the sanity cap {cap:g} (check the unit in the name)"]
+    return []
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,79 @@
-"""A memory-mapped, decoded copy of a trace file, keyed by the file's content hash.
+"""A memory-mapped, decoded copy of a trace file, keyed by the trace's content hash.
 
 Decoding Parquet costs far more than simulating fetch-every-miss; a sweep of many Hydra jobs over
 one trace decodes it once here and every later job maps the arrays straight from disk. The copy
 lives under ``$MOE_SIM_CACHE`` (default ``$XDG_CACHE_HOME/moe-offload-sim``, i.e.
-``~/.cache/moe-offload-sim``) in ``traces/<sha256 of the file>/``: one ``.npy`` file per
-:class:`~traces.format.TraceChunk` array, in the chunk's dtypes, and ``meta.json``.
+``~/.cache/moe-offload-sim``) in ``traces/<key>/``: one ``.npy`` file per array and
+``manifest.json``. Logits stay float16 as stored (top-R ones with their ids), expert ids int16,
+so the copy is about the size of the trace's float16 logits (plus 8 % at 48 x 512 x top-10, and
+12.5 % for 64 ranked ids); chunks convert them with the float16 lookup table and decode only
+what the caller asks for (``logits``, ``order_r``, as every chunk source).
+
+Built while the first run streams: a source opened before a copy exists reads the Parquet file
+for its first forward pass and writes the copy as it goes; the copy is put in place only when
+the pass reaches the end and the content matches the trace's recorded hash. A pass that stops
+early, raises or is killed leaves no usable copy (the next pass builds again). ``logit_order``
+for an R not yet kept is computed the same way on a pass over the copy and kept beside it
+(``logit_order_<R>.npy``; any kept R' >= R serves R, as its first R ids).
+
+The key is the content hash the trace records (its hex digest: a file rewritten with other
+content gets another key, however its size and modification time look); a file written before
+content hashes is keyed by the SHA-256 of its bytes (``file-<hex>``), remembered per file
+identity including the inode's change time, which no rewrite can restore.
+
+Integrity: the manifest records each array's size, CRC-32 and file identity (inode, size,
+modification and change time). Opening a copy compares the identities (a few ``stat`` calls);
+an array whose identity changed is checked against its CRC-32, and a copy that fails (edited,
+truncated, an old layout, an unreadable manifest) is removed and rebuilt with one warning line
+on stderr.
 
 Concurrent jobs are safe: a copy is built in a private temporary directory beside its final
-place and renamed into place in one step; a job that loses the race discards its own copy.
-Chunks are zero-copy views; pages of a chunk are released once the next chunk is requested, so
-resident memory follows the chunk size, not the trace size.
+place, named with the builder's process id, and renamed into place in one step; a job that loses
+the race discards its own copy, and the next job removes the build directories of builders that
+died. Within a process, one pass builds and passes that start meanwhile read the trace. A full
+disk or an unwritable cache directory stops with one InputError naming it. Pages of a chunk
+are released once the next chunk is requested, so resident memory follows the chunk size.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import mmap
 import os
 import shutil
-import tempfile
-import time
+import sys
+import threading
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from traces.atomic import atomic_write_text, output_errors, remove_orphans, temp_path
 from traces.errors import InputError
-from traces.format import ArraySource, TraceChunk, TraceMeta, default_max_tokens, open_trace
+from traces.format import (
+    ContentHash,
+    TraceChunk,
+    TraceMeta,
+    decode_stored,
+    decoded_logits,
+    default_max_tokens,
+    group_plan,
+    open_trace,
+    order_width,
+    recorded_content_hash,
+    regular_file,
+    stored_logit_order,
+)
 
 CACHE_ENV = "MOE_SIM_CACHE"
-LAYOUT_VERSION = 1  # bump when the files below change meaning
-STALE_BUILD_S = 24 * 3600  # a build directory this old belongs to a job that died
-_ARRAYS = ("seq", "pos", "phase", "group", "domain", "token_id", "experts", "gates", "logits",
-           "residency", "nll")
+LAYOUT_VERSION = 3  # bump when the files below change meaning
+MANIFEST = "manifest.json"
+_PER_TOKEN = ("seq", "pos", "phase", "group", "domain", "token_id", "nll")  # from the decoded chunk
+_STORED = ("experts", "residency", "logits", "logit_ids")  # as the trace stores them
+_CRC_BLOCK = 16 * 2**20
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -45,189 +86,380 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir).expanduser() / "traces"
 
 
-def content_hash(path: str | os.PathLike, root: Path | None = None) -> str:
-    """SHA-256 of the file's bytes (hex).
+def trace_key(path: str | os.PathLike, root: Path | None = None) -> str:
+    """The cache key of a trace file: its recorded content hash, else the SHA-256 of its bytes.
 
-    With ``root``, the digest is remembered under the file's identity (device, inode, size,
-    modification time), so an unchanged file is hashed once, not once per job.
+    With ``root``, a file's byte digest is remembered under the file's identity (device, inode,
+    size, modification and change time), so an unchanged file is hashed once, not once per job.
     """
+    recorded = recorded_content_hash(path)
+    if recorded is not None:
+        return recorded.removeprefix("sha256:")
     st = os.stat(path)
     memo = None
     if root is not None:
-        ident = f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        ident = f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
         memo = root / "hashes" / hashlib.sha256(ident.encode()).hexdigest()
         try:
             return memo.read_text().strip()
         except OSError:
             pass
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        key = "file-" + hashlib.file_digest(f, "sha256").hexdigest()
     if memo is not None:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(memo, digest)
-    return digest
+        with contextlib.suppress(OSError):  # a read-only cache only hashes again next time
+            memo.parent.mkdir(exist_ok=True)
+            atomic_write_text(memo, key)
+    return key
 
 
 class CachedTrace:
-    """A decoded trace mapped from the cache: the chunk-source protocol of traces/format.py.
+    """A trace served from its decoded copy: the chunk-source protocol of traces/format.py.
 
-    ``built`` is True when this call decoded the Parquet file, False when it re-used a copy.
+    ``built`` is True when this source builds the copy (on its first full forward pass, or
+    :meth:`build`), False when it re-uses one. Construct through :func:`cached_source`.
     """
 
-    def __init__(self, directory: Path, built: bool):
-        self.directory = directory
-        self.built = built
-        info = json.loads((directory / "meta.json").read_text())
-        self.meta = TraceMeta.from_json(info["meta"], str(directory / "meta.json"))
-        self._maps: dict[str, mmap.mmap] = {}
-        arrays = {name: self._map(name) for name in info["arrays"]}
-        arrays.setdefault("nll", None)
-        self._source = ArraySource(self.meta, TraceChunk(**arrays))
+    def __init__(self, path: Path, directory: Path, manifest: dict | None, max_tokens: int | None):
+        self.path, self.directory = path, directory
+        self.built = manifest is None
+        self._build_tokens = max_tokens
+        self._lock = threading.Lock()  # held by the one pass that writes to the cache
+        self._maps: list[tuple[np.ndarray, mmap.mmap]] = []  # every mapped array and its mapping
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._orders: dict[int, np.ndarray] = {}
+        if manifest is None:
+            with open_trace(path) as reader:
+                self.meta, self.num_tokens = reader.meta, reader.num_tokens
+        else:
+            self._mapped(manifest)
 
-    @property
-    def num_tokens(self) -> int:
-        return self._source.num_tokens
+    def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
+                    order_r: int = 0) -> Iterator[TraceChunk]:
+        """Chunks of whole groups in trace order (default size as the Parquet reader's);
+        ``logits`` and ``order_r`` as every source's (traces/format.py, *Options*)."""
+        return self._chunks(self._size(max_tokens), False, logits, order_width(self.meta, order_r))
 
-    def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
-        """Chunks of whole groups in trace order (default size as the Parquet reader's)."""
-        return self._release_after(self._source.iter_chunks(self._size(max_tokens)))
+    def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
+                             order_r: int = 0) -> Iterator[TraceChunk]:
+        """The chunks of :meth:`iter_chunks`, last to first (a copy not yet built is built first)."""
+        return self._chunks(self._size(max_tokens), True, logits, order_width(self.meta, order_r))
 
-    def iter_chunks_reversed(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
-        """The chunks of :meth:`iter_chunks`, last to first."""
-        return self._release_after(self._source.iter_chunks_reversed(self._size(max_tokens)))
+    def build(self) -> None:
+        """Decode the trace into the cache now, if no copy is there yet."""
+        for _ in self._chunks(self._size(self._build_tokens), False, False, 0, build_only=True):
+            pass
 
     def _size(self, max_tokens: int | None) -> int:
         return default_max_tokens(self.meta) if max_tokens is None else int(max_tokens)
 
-    def _map(self, name: str) -> np.ndarray:
-        path = self.directory / f"{name}.npy"
-        with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
-            shape, fortran, dtype = read_header(f)
-            offset = f.tell()
-            if fortran:
-                raise InputError(f"{path}: not a C-ordered array; delete {self.directory}")
-            size = int(np.prod(shape)) * dtype.itemsize
-            if size == 0:
-                return np.zeros(shape, dtype)
+    def _chunks(self, max_tokens: int, descending: bool, logits: bool, order_r: int,
+                build_only: bool = False) -> Iterator[TraceChunk]:
+        if self._arrays is None and self._lock.acquire(blocking=False):
+            try:
+                if self._arrays is None:
+                    if not (descending or build_only):
+                        yield from self._building(max_tokens, logits, order_r)
+                        return
+                    for _ in self._building(max_tokens, False, 0):  # not backwards: build, then serve
+                        pass
+            finally:
+                self._lock.release()
+        if build_only:
+            return
+        if self._arrays is None:  # another pass is building the copy: read the trace itself
+            with open_trace(self.path) as reader:
+                iterate = reader.iter_chunks_reversed if descending else reader.iter_chunks
+                yield from iterate(max_tokens, logits=logits, order_r=order_r)
+            return
+        yield from self._from_copy(max_tokens, descending, logits, order_r)
+
+    def _building(self, max_tokens: int, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+        """Stream the Parquet file, yielding its chunks and writing the copy; put it in place at
+        the end (the content checked against the trace's recorded hash first)."""
+        root = self.directory.parent
+        remove_orphans(root)
+        build = temp_path(root / f"build-{self.directory.name[:23]}")
+        files: dict[str, _NpyWriter] = {}
+        with output_errors(self.directory), open_trace(self.path) as reader:
+            try:
+                build.mkdir()
+                content = ContentHash(self.meta)
+                for first_group, stored in reader.iter_stored(max_tokens):
+                    content.update(stored)
+                    chunk = decode_stored(self.meta, stored, first_group, logits=logits, order_r=order_r)
+                    arrays = {**{n: getattr(chunk, n) for n in _PER_TOKEN if getattr(chunk, n) is not None},
+                              "gates": chunk.gates, **{n: stored[n] for n in _STORED if n in stored}}
+                    if order_r:
+                        arrays[f"logit_order_{order_r}"] = chunk.logit_order
+                    for name, value in arrays.items():
+                        if name not in files:
+                            files[name] = _NpyWriter(build / f"{name}.npy", value, self.num_tokens)
+                        files[name].append(value)
+                    yield chunk
+                for f in files.values():
+                    f.close()
+                recorded = reader.content_hash
+                if recorded is not None and content.hexdigest() != recorded:
+                    raise InputError(f"{self.path}: the decoded content does not match the hash the file "
+                                     "records; the file was changed or damaged after it was written, "
+                                     "re-create or restore it")
+                orders = [n for n in files if n.startswith("logit_order_")]
+                manifest = {"layout_version": LAYOUT_VERSION, "meta": self.meta.to_json(),
+                            "num_tokens": self.num_tokens, "source_file": str(self.path.resolve()),
+                            "arrays": {n: f.record() for n, f in files.items() if n not in orders}}
+                for name in orders:
+                    atomic_write_text(build / f"{name}.json", json.dumps(files[name].record()))
+                atomic_write_text(build / MANIFEST, json.dumps(manifest, indent=1))
+                self._mapped(self._put_in_place(build))
+            finally:
+                for f in files.values():
+                    f.close()
+                shutil.rmtree(build, ignore_errors=True)
+
+    def _put_in_place(self, build: Path) -> dict:
+        """Rename a complete build to the copy's place; the manifest of the copy now there."""
+        try:
+            os.rename(build, self.directory)
+        except OSError:  # a concurrent job put its copy in place first: use that one
+            pass
+        manifest = _checked_manifest(self.directory)
+        if manifest is None:
+            raise InputError(f"{self.directory}: the trace cache copy could not be put in place; "
+                             "check the cache directory")
+        return manifest
+
+    def _mapped(self, manifest: dict) -> None:
+        self.meta = TraceMeta.from_json(manifest["meta"], str(self.directory / MANIFEST))
+        self.num_tokens = int(manifest["num_tokens"])
+        self._arrays = {name: self._map(name, info) for name, info in manifest["arrays"].items()}
+        self._orders = {int(p.stem.rsplit("_", 1)[1]): self._map(p.stem, info)
+                        for p, info in _order_manifests(self.directory).items()}
+
+    def _map(self, name: str, info: dict) -> np.ndarray:
+        shape, dtype = tuple(info["shape"]), np.dtype(info["dtype"])
+        count = int(np.prod(shape))
+        if count == 0:
+            return np.zeros(shape, dtype)
+        with open(self.directory / f"{name}.npy", "rb") as f:
             # a private mapping: the arrays are writable like freshly decoded ones (so kernels
             # compiled for those apply), while the file and other jobs never see a write
-            self._maps[name] = mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return np.frombuffer(mm, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        array = np.frombuffer(mm, dtype=dtype, count=count, offset=info["offset"]).reshape(shape)
+        self._maps.append((array, mm))
+        return array
 
-    def _release_after(self, chunks: Iterator[TraceChunk]) -> Iterator[TraceChunk]:
-        """Yield chunks; when the next is asked for, drop the last one's pages from this process.
+    def _from_copy(self, max_tokens: int, descending: bool, logits: bool,
+                   order_r: int) -> Iterator[TraceChunk]:
+        a, meta = self._arrays, self.meta
+        plan = group_plan(a["group"], max_tokens)
+        kept = min((r for r in self._orders if r >= order_r), default=None) if order_r else None
+        adding = None
+        if order_r and kept is None and not descending and self._lock.acquire(blocking=False):
+            adding = _OrderBuild(self.directory, order_r, self.num_tokens)
+        try:
+            for start, stop, _ in (plan[::-1] if descending else plan):
+                rows = slice(int(start), int(stop))
+                ids = a["logit_ids"][rows] if "logit_ids" in a else None
+                chunk = TraceChunk(
+                    **{n: a[n][rows] for n in ("seq", "pos", "phase", "group", "domain", "token_id", "gates")},
+                    experts=a["experts"][rows].astype(np.int32),
+                    logits=(decoded_logits(meta, a["logits"][rows], ids) if logits and "logits" in a
+                            else np.zeros((0, meta.num_layers, meta.num_experts), np.float32)),
+                    residency=a["residency"][rows] if "residency" in a
+                    else np.zeros((0, meta.num_layers, meta.top_k), np.int8),
+                    nll=a["nll"][rows] if "nll" in a else None)
+                if kept is not None:
+                    chunk.logit_order = np.ascontiguousarray(self._orders[kept][rows, :, :order_r])
+                elif order_r:
+                    chunk.logit_order = stored_logit_order(meta, a["logits"][rows], ids, order_r)
+                    if adding:
+                        adding.append(chunk.logit_order)
+                yield chunk
+                self._release(rows)
+            if adding:
+                self._orders[order_r] = self._map(f"logit_order_{order_r}", adding.commit())
+        finally:
+            if adding:
+                adding.discard()
+                self._lock.release()
+
+    def _release(self, rows: slice) -> None:
+        """Drop the pages of a chunk's rows from this process once the next chunk is asked for.
 
         The pages stay in the page cache (shared by all jobs); a view still held elsewhere
         reads them back in on access, so this changes memory use, never values (unless a
         caller wrote into a chunk: such private changes are dropped with the pages).
         """
-        for c in chunks:
-            yield c
-            for name, mm in self._maps.items():
-                view = getattr(c, name)
-                if view is None or view.size == 0:
-                    continue
-                start = view.ctypes.data - _address(mm)
-                stop = start + view.nbytes
-                start -= start % mmap.PAGESIZE
-                mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
-
-
-def _address(mm: mmap.mmap) -> int:
-    return np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+        for array, mm in self._maps:
+            view = array[rows]
+            if view.size == 0:
+                continue
+            start = view.ctypes.data - np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data
+            stop = start + view.nbytes
+            start -= start % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 def cached_source(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
                   max_tokens: int | None = None) -> CachedTrace:
-    """Open a trace file through the cache, decoding it into the cache the first time.
+    """Open a trace file through the cache; without a copy yet, the first full pass builds it.
 
     The app's one call: ``source = cached_source(path)`` in place of ``open_trace(path)``.
-    ``max_tokens``: tokens decoded per chunk while building (default: the reader's).
+    ``max_tokens``: tokens decoded per chunk by :meth:`CachedTrace.build`.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such trace file; check the path")
+    path = regular_file(path)
     root = cache_root(cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / content_hash(path, root)
-    if (final / "meta.json").is_file() and _version(final) == LAYOUT_VERSION:
-        return CachedTrace(final, built=False)
-    _remove_stale_builds(root)
-    build = Path(tempfile.mkdtemp(prefix=f".build-{final.name[:16]}-", dir=root))
-    try:
-        _decode_into(path, build, max_tokens)
-        if (final / "meta.json").is_file() and _version(final) == LAYOUT_VERSION:
-            return CachedTrace(final, built=False)  # a concurrent job finished first: use its copy
-        if final.exists():  # an old layout
-            shutil.rmtree(final, ignore_errors=True)
+    with output_errors(root):
+        root.mkdir(parents=True, exist_ok=True)
+    remove_orphans(root)
+    remove_orphans(root / "hashes")
+    directory = root / trace_key(path, root)
+    return CachedTrace(path, directory, _checked_manifest(directory, warn=True), max_tokens)
+
+
+def _read_manifest(directory: Path) -> dict:
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def _order_manifests(directory: Path) -> dict[Path, dict]:
+    """The kept ``logit_order`` arrays that pass their checks (a failing one is removed)."""
+    kept = {}
+    for manifest in directory.glob("logit_order_*.json"):
+        npy = manifest.with_suffix(".npy")
         try:
-            os.rename(build, final)
-        except OSError:  # another job renamed its copy into place first: use that one
-            if not (final / "meta.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(build, ignore_errors=True)
-    return CachedTrace(final, built=True)
+            info = json.loads(manifest.read_text())
+            _check_array(npy, info)
+            kept[npy] = info
+        except (_Stale, OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"warning: trace cache {npy} is stale or damaged ({exc}); it is computed again",
+                  file=sys.stderr)
+            for p in (manifest, npy):
+                p.unlink(missing_ok=True)
+    return kept
 
 
-def _version(directory: Path) -> int | None:
-    try:
-        return json.loads((directory / "meta.json").read_text()).get("layout_version")
-    except (OSError, ValueError):
+def _checked_manifest(directory: Path, warn: bool = False) -> dict | None:
+    """The manifest of a complete, intact copy at ``directory``, or None (nothing there, or a
+    copy that failed its checks: removed, with one warning line if ``warn``)."""
+    if not directory.exists():
         return None
+    try:
+        manifest = _read_manifest(directory)
+        if manifest.get("layout_version") != LAYOUT_VERSION:
+            raise _Stale(f"layout {manifest.get('layout_version')!r}, this version writes {LAYOUT_VERSION}")
+        changed = {name: identity for name, info in manifest["arrays"].items()
+                   if (identity := _check_array(directory / f"{name}.npy", info)) != info["identity"]}
+    except (_Stale, OSError, ValueError, KeyError, TypeError) as exc:
+        if warn:
+            print(f"warning: trace cache {directory} is stale or damaged ({exc}); rebuilding it",
+                  file=sys.stderr)
+        _remove(directory)
+        return None
+    if changed:  # copied or touched, yet intact: cheap again next time
+        for name, identity in changed.items():
+            manifest["arrays"][name]["identity"] = identity
+        with contextlib.suppress(OSError):  # a read-only cache stays correct, only slower
+            atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+    return manifest
 
 
-def _decode_into(path: Path, directory: Path, max_tokens: int | None) -> None:
-    """Stream the Parquet file's chunks into one .npy file per array (then meta.json, last)."""
-    with open_trace(path) as reader:
-        meta, n = reader.meta, reader.num_tokens
-        files: dict[str, object] = {}
-        try:
-            for c in reader.iter_chunks(max_tokens):
-                if not files:
-                    files = {name: _open_npy(directory, name, getattr(c, name), n)
-                             for name in _ARRAYS if getattr(c, name) is not None}
-                for name, f in files.items():
-                    value = getattr(c, name)
-                    if value.shape[0] == 0 and name in ("logits", "residency"):
-                        continue
-                    f.write(np.ascontiguousarray(value).data)
-            if not files:
-                raise InputError(f"{path}: the trace has no tokens; nothing to cache")
-        finally:
-            for f in files.values():
-                f.close()
-    info = {"layout_version": LAYOUT_VERSION, "meta": meta.to_json(), "num_tokens": n,
-            "source_file": str(path.resolve()), "arrays": sorted(files)}
-    _atomic_write_text(directory / "meta.json", json.dumps(info, indent=1))
+def _check_array(path: Path, info: dict) -> list[int]:
+    """The array file's identity; raises _Stale unless its size (and, for a changed identity,
+    its CRC-32) is what the manifest records."""
+    identity = _identity(path)
+    if identity[1] != info["bytes"]:
+        raise _Stale(f"array '{path.stem}' has {identity[1]:,} bytes, the manifest {info['bytes']:,}")
+    if identity != info["identity"] and _crc32(path) != info["crc32"]:
+        raise _Stale(f"array '{path.stem}' fails its CRC-32 check")
+    return identity
 
 
-def _open_npy(directory: Path, name: str, first: np.ndarray, num_tokens: int):
-    """A .npy file for the whole trace's ``name`` array, header written, data to be appended."""
-    tokens = num_tokens if first.shape[0] or name not in ("logits", "residency") else 0
-    header = {"descr": np.lib.format.dtype_to_descr(first.dtype), "fortran_order": False,
-              "shape": (tokens, *first.shape[1:])}
-    f = open(directory / f"{name}.npy", "wb")  # closed by the caller
-    np.lib.format.write_array_header_1_0(f, header)
-    return f
+class _Stale(Exception):
+    """A cached copy that must not be used."""
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def _identity(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _remove_stale_builds(root: Path) -> None:
-    """Remove build directories left by jobs that died (older than STALE_BUILD_S)."""
-    now = time.time()
-    for d in root.glob(".build-*"):
-        try:
-            if now - d.stat().st_mtime > STALE_BUILD_S:
-                shutil.rmtree(d, ignore_errors=True)
-        except OSError:
-            pass
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CRC_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _remove(directory: Path) -> None:
+    """Take a copy out of use at once (one rename), then delete it."""
+    doomed = temp_path(directory)
+    try:
+        os.rename(directory, doomed)
+    except OSError:
+        return  # gone already, or another job is replacing it
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+class _NpyWriter:
+    """A .npy file for a whole trace's array, header first, data appended chunk by chunk."""
+
+    def __init__(self, path: Path, first: np.ndarray, num_tokens: int):
+        self.path = path
+        tokens = num_tokens if first.shape[0] else 0  # absent logits or residency stay (0, ...)
+        self.shape, self.dtype = (tokens, *first.shape[1:]), first.dtype
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {
+            "descr": np.lib.format.dtype_to_descr(first.dtype), "fortran_order": False,
+            "shape": self.shape})
+        self.offset = len(header.getvalue())
+        self._crc = zlib.crc32(header.getvalue())
+        self._file = open(path, "wb")  # closed by close()
+        self._file.write(header.getvalue())
+
+    def append(self, value: np.ndarray) -> None:
+        data = np.ascontiguousarray(value).data
+        self._file.write(data)
+        self._crc = zlib.crc32(data, self._crc)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def record(self) -> dict:
+        """The manifest entry: shape, dtype, data offset, size, CRC-32 and file identity."""
+        identity = _identity(self.path)
+        return {"shape": list(self.shape), "dtype": self.dtype.str, "offset": self.offset,
+                "bytes": identity[1], "crc32": self._crc, "identity": identity}
+
+
+class _OrderBuild:
+    """``logit_order_<R>`` of a copy, written beside it during one forward pass over it."""
+
+    def __init__(self, directory: Path, r: int, num_tokens: int):
+        self.final = directory / f"logit_order_{r}.npy"
+        self.num_tokens = num_tokens
+        self._tmp = temp_path(self.final)
+        self._writer: _NpyWriter | None = None
+
+    def append(self, order: np.ndarray) -> None:
+        with output_errors(self.final):
+            if self._writer is None:
+                self._writer = _NpyWriter(self._tmp, order, self.num_tokens)
+            self._writer.append(order)
+
+    def commit(self) -> dict:
+        """Put the array in place with its manifest entry; return the entry."""
+        with output_errors(self.final):
+            self._writer.close()
+            os.replace(self._tmp, self.final)
+            self._writer.path = self.final
+            info = self._writer.record()
+            atomic_write_text(self.final.with_suffix(".json"), json.dumps(info))
+        self._writer = None
+        return info
+
+    def discard(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._tmp.unlink(missing_ok=True)

@@ -146,6 +146,51 @@ def test_bad_profiles_fail_with_one_line(profile, mutate, field):
     assert field in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("mutate", "words"),
+    [
+        (lambda p: p["pcie"].__setitem__("latency_us", 1e308), ["'hardware.pcie.latency_us'", "sanity cap 1e+06"]),
+        (lambda p: p["pcie"].__setitem__("latency_us", math.inf), ["'hardware.pcie.latency_us'", "finite"]),
+        (lambda p: p["gpu"].__setitem__("memory_bandwidth_gbps", 5e6), ["memory_bandwidth_gbps", "cap 100000"]),
+        (lambda p: p["ssd"].__setitem__("bandwidth_gbps", 2e4), ["'hardware.ssd.bandwidth_gbps'", "cap 10000"]),
+        (lambda p: p.__setitem__("host_ram_bytes", 2**60), ["'hardware.host_ram_bytes'", "cap"]),
+        (lambda p: p["cpu"].__setitem__("expert_fixed_us", math.nan), ["'hardware.cpu.expert_fixed_us'"]),
+        (lambda p: p.__setitem__("compute", {"m": {"cpu_expert_us": 1e7}}), ["hardware.compute.m.cpu_expert_us"]),
+        (lambda p: p.__setitem__("pcie", [1, 2]), ["'hardware.pcie' must map"]),
+    ],
+)
+def test_profile_numbers_beyond_their_sanity_caps_are_refused(profile, mutate, words):
+    bad = copy.deepcopy(profile)
+    mutate(bad)
+    with pytest.raises(InputError) as err:
+        validate_profile(bad)
+    assert all(w in str(err.value) for w in words) and "\n" not in str(err.value), str(err.value)
+
+
+def test_every_bad_profile_field_is_reported_at_once(profile):
+    bad = copy.deepcopy(profile)
+    del bad["pcie"]["latency_us"]
+    bad["ssd"]["bandwidth_gbps"] = -5.0
+    bad["gpu"]["memory_bandwidth_gbps"] = 1e9
+    bad["cpu"]["typo_us"] = 1.0
+    del bad["source"]
+    with pytest.raises(InputError) as err:
+        validate_profile(bad, origin="hardware profile 'x'")
+    message = str(err.value)
+    problems = message.removeprefix("hardware profile 'x': ").split("; ")
+    assert "\n" not in message and len(problems) == 5, message
+    for field in ("hardware.pcie.latency_us", "hardware.ssd.bandwidth_gbps", "hardware.gpu.memory_bandwidth_gbps",
+                  "hardware.cpu.typo_us", "hardware.source"):
+        assert sum(field in p for p in problems) == 1, (field, problems)
+
+
+def test_a_profile_that_is_not_a_mapping_is_one_line():
+    for bad in ([{"pcie": 1}], "h200", None):
+        with pytest.raises(InputError, match="expected a mapping of sections") as err:
+            validate_profile(bad)
+        assert "\n" not in str(err.value)
+
+
 def test_layer_times_roofline_and_measured_override(profile):
     expert = np.array([1_000_000, 2_000_000])
     dense = np.array([0, 43_000_000])

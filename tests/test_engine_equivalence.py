@@ -9,11 +9,10 @@ import pytest
 from engine_cases import RULES, assert_same, random_params, random_trace, run_both
 
 from simulator.engine import simulate
-from simulator.engine.nextuse import NextUseFile
+from simulator.engine.nextuse import NEVER_GROUP, NextUseFile
 from simulator.engine.params import SCOPES
 from simulator.jit import jit
 from simulator.policies.eviction import REGISTRY as EVICTIONS
-from simulator.policies.eviction._base import NEVER_GROUP
 from simulator.policies.eviction.random import splitmix64
 from traces.format import open_trace, write_trace
 

@@ -127,13 +127,14 @@ def test_write_trace_of_a_read_chunk_reads_back_equal(good_file, tmp_path):
     assert chunks_equal(again, chunk)
 
 
-def test_empty_trace(tmp_path):
+def test_empty_traces_are_neither_written_nor_opened(good_file, tmp_path):
     path = tmp_path / "empty.parquet"
-    with TraceWriter(path, make_meta()):
+    with pytest.raises(InputError, match="no tokens were written"), TraceWriter(path, make_meta()):
         pass
-    reader = open_trace(path)
-    assert reader.num_tokens == 0 and list(reader.iter_chunks()) == []
-    assert read_trace(path)[1].num_tokens == 0
+    assert not path.exists() and [p.name for p in tmp_path.iterdir()] == ["good.parquet"]
+    rewrite(good_file, path, pq.read_table(good_file).slice(0, 0))  # a 0-row file written by hand
+    with pytest.raises(InputError, match="no rows"):
+        open_trace(path)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8, 13, 1000])
@@ -235,12 +236,23 @@ def rewrite(good: Path, out: Path, table: pa.Table | None = None, meta: dict | N
     return out
 
 
+def column_values(column: pa.Array) -> np.ndarray:
+    """A per-layer column's values as (rows, width): list entries, or binary logits as float16."""
+    if pa.types.is_fixed_size_binary(column.type):
+        return np.frombuffer(column.buffers()[1], np.float16)[:len(column) * column.type.byte_width // 2] \
+            .reshape(len(column), -1).copy()
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1).copy()
+
+
 def with_values(table: pa.Table, name: str, change) -> pa.Table:
-    """The table with a list column's values (rows, width) changed in place by ``change``."""
+    """The table with a per-layer column's values (rows, width) changed in place by ``change``."""
     column = table.column(name).combine_chunks()
-    values = column.flatten().to_numpy(zero_copy_only=False).reshape(table.num_rows, -1).copy()
+    values = column_values(column)
     change(values)
-    array = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+    if pa.types.is_fixed_size_binary(column.type):
+        array = pa.FixedSizeBinaryArray.from_buffers(column.type, len(column), [None, pa.py_buffer(values)])
+    else:
+        array = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
     return table.set_column(table.schema.get_field_index(name), name, array)
 
 
@@ -438,9 +450,9 @@ def test_top_r_logits_round_trip(top_r_file, tmp_path, capsys):
     meta, chunk = read_trace(top_r_file)
     assert meta == make_meta(logits_top_r=R) and meta.has_logits
     schema = pq.read_schema(top_r_file)
-    assert schema.field("logits").type.list_size == R and schema.field("logit_ids").type.list_size == R
-    stored = pq.read_table(top_r_file).column("logits").combine_chunks().flatten().to_numpy()
-    assert (np.diff(stored.reshape(-1, R).astype(np.float32), axis=-1) <= 0).all()  # descending
+    assert schema.field("logits").type.byte_width == 2 * R and schema.field("logit_ids").type.list_size == R
+    stored = column_values(pq.read_table(top_r_file).column("logits").combine_chunks())
+    assert (np.diff(stored.astype(np.float32), axis=-1) <= 0).all()  # descending
     top = np.argsort(-arrays["logits"], axis=-1)[..., :R]
     assert chunk.logits.dtype == np.float32 and chunk.logits.shape == (40, L, E)
     np.testing.assert_array_equal(chunk.logits, top_r_expected(arrays["logits"], top))
@@ -553,3 +565,13 @@ def test_top_r_trace_substitutes_as_the_full_trace_when_the_best_resident_is_in_
     assert substitutes(source(r))[0] == subs_full
     assert_same(run_both(source(r), p), run_both(full, p))
     assert substitutes(source(k))[0] != subs_full
+
+
+def test_the_bundled_trace_keeps_its_content_with_checksums_and_a_content_hash():
+    """Rewritten by ``moe-trace repack --compact-logits`` to add page checksums and a content
+    hash: the hash is that of the file's decoded content before (computed from the original)."""
+    fixture = Path(__file__).resolve().parent.parent / "traces" / "samples" / "fixture.parquet"
+    original = "sha256:2661e74c5bfdc69dbb0f45a846a9ef76e10feccdf74564b4cfff81ca6b076252"
+    with open_trace(fixture) as reader:
+        assert reader.content_hash == original and reader.verify() == original
+    assert fixture.stat().st_size < 20 * 2**20

@@ -17,7 +17,7 @@ from report_cases import fixed_settings, markdown_table
 from analysis.collect import make_view, read_sweep, speedup_table
 from analysis.plots import all_plots
 from analysis.report import main
-from traces.format import write_trace
+from traces.format import recorded_content_hash, write_trace
 from traces.synth import synth_trace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +64,8 @@ def tau_sweep(trace, tmp_path_factory) -> Path:
 
 def test_fixed_settings_name_trace_shape_hash_model_hardware_and_cache(beta_sweep, trace):
     settings = fixed_settings(beta_sweep / "report")
-    digest = hashlib.sha256(trace.read_bytes()).hexdigest()
+    recorded = recorded_content_hash(trace)  # the trace's content hash; the file's for old ones
+    digest = recorded.removeprefix("sha256:") if recorded else hashlib.sha256(trace.read_bytes()).hexdigest()
     assert settings["trace"] == (
         f"`tiny.parquet`: {TOKENS} tokens, {LAYERS} MoE layers × {EXPERTS} experts, "
         f"top-{TOP_K}; sha256 `{digest[:12]}`; recorded from tiny-moe (source synth); "

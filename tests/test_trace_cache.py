@@ -1,10 +1,17 @@
-"""The decoded trace cache: identical chunks, re-used without Parquet, safe under concurrency."""
+"""The decoded trace cache: identical chunks, re-used without Parquet, safe under concurrency,
+keyed by content and checked when opened."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
@@ -12,7 +19,8 @@ import simulator.trace_cache as trace_cache
 from simulator.engine import simulate
 from simulator.run import build_params, compose
 from simulator.trace_cache import cache_root, cached_source
-from traces.format import open_trace, write_trace
+from traces.errors import InputError
+from traces.format import open_trace, recorded_content_hash, write_trace
 
 
 @pytest.fixture
@@ -21,6 +29,13 @@ def trace_file(tiny_trace, tmp_path):
     path = tmp_path / "trace.parquet"
     write_trace(path, source.meta, source.chunk)
     return path
+
+
+def built(path, cache_dir):
+    """A cached source whose copy is in place (built now if it was not)."""
+    source = cached_source(path, cache_dir)
+    source.build()
+    return source
 
 
 def assert_same_chunks(a, b):
@@ -49,6 +64,7 @@ def test_cached_chunks_equal_the_readers(trace_file, tmp_path, max_tokens):
 def test_second_open_reuses_the_copy_without_parquet(trace_file, tmp_path, monkeypatch):
     first = cached_source(trace_file, tmp_path / "c")
     assert first.built
+    assert sum(c.num_tokens for c in first.iter_chunks()) == 150  # the first pass builds the copy
 
     def no_parquet(path):
         raise AssertionError("the Parquet file was parsed again")
@@ -72,7 +88,7 @@ def test_the_key_is_the_content(trace_file, tmp_path, tiny_trace):
 
 def test_concurrent_builds_leave_one_complete_copy(trace_file, tmp_path):
     with ThreadPoolExecutor(4) as pool:
-        sources = list(pool.map(lambda _: cached_source(trace_file, tmp_path / "c"), range(4)))
+        sources = list(pool.map(lambda _: built(trace_file, tmp_path / "c"), range(4)))
     root = cache_root(tmp_path / "c")
     assert len({s.directory for s in sources}) == 1
     assert len(list(root.glob("[0-9a-f]*"))) == 1 and not list(root.glob(".build-*"))
@@ -95,3 +111,105 @@ def test_simulating_from_the_cache_equals_the_reader(trace_file, tmp_path):
             a = simulate(reader, params, chunk_tokens=32)
         b = simulate(cached, params, chunk_tokens=32)
         assert np.array_equal(a.time_us, b.time_us) and np.array_equal(a.layer_hits, b.layer_hits)
+
+
+# --- integrity: keyed by content, verified when opened ------------------------------------------
+
+
+def legacy_copy(path: Path, out: Path) -> Path:
+    """``path`` written again without the content and metadata hashes, as older versions wrote."""
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), out)
+    assert recorded_content_hash(out) is None
+    return out
+
+
+def test_an_edited_cached_array_with_its_mtime_restored_is_rebuilt_with_one_warning(trace_file, tmp_path,
+                                                                                   capfd):
+    first = built(trace_file, tmp_path / "c")
+    gates = first.directory / "gates.npy"
+    st = gates.stat()
+    data = bytearray(gates.read_bytes())
+    data[-4:] = np.float32(0.5).tobytes()  # same size, a plausible value
+    gates.write_bytes(bytes(data))
+    os.utime(gates, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = built(trace_file, tmp_path / "c")
+    err = capfd.readouterr().err
+    assert again.built and err.count("\n") == 1 and "CRC-32" in err and "'gates'" in err
+    with open_trace(trace_file) as reader:
+        assert_same_chunks(again.iter_chunks(), reader.iter_chunks())
+    assert not cached_source(trace_file, tmp_path / "c").built and capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("damage", ["truncated array", "garbage manifest", "old layout", "missing array"])
+def test_a_damaged_or_stale_copy_is_rebuilt_with_one_warning(trace_file, tmp_path, capfd, damage):
+    first = built(trace_file, tmp_path / "c")
+    manifest = first.directory / "manifest.json"
+    if damage == "truncated array":
+        experts = first.directory / "experts.npy"
+        experts.write_bytes(experts.read_bytes()[:-100])
+    elif damage == "garbage manifest":
+        manifest.write_text("{not json")
+    elif damage == "old layout":
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "layout_version": 1}))
+    else:
+        (first.directory / "pos.npy").unlink()
+    again = built(trace_file, tmp_path / "c")
+    err = capfd.readouterr().err
+    assert again.built and err.count("\n") == 1 and err.startswith("warning: trace cache ")
+    with open_trace(trace_file) as reader:
+        assert_same_chunks(again.iter_chunks(7), reader.iter_chunks(7))
+
+
+def test_a_copied_cache_is_checked_once_then_trusted(trace_file, tmp_path, capfd, monkeypatch):
+    first = built(trace_file, tmp_path / "c")
+    shutil.copytree(tmp_path / "c", tmp_path / "copy")  # new inodes: every identity differs
+    checked = []
+    crc32 = trace_cache._crc32
+    monkeypatch.setattr(trace_cache, "_crc32", lambda path: checked.append(path.name) or crc32(path))
+    copy = cached_source(trace_file, tmp_path / "copy")
+    assert not copy.built and len(checked) == len(json.loads((first.directory / "manifest.json").read_text())["arrays"])
+    checked.clear()
+    assert not cached_source(trace_file, tmp_path / "copy").built and checked == []
+    assert capfd.readouterr().err == ""
+
+
+def test_a_trace_rewritten_in_place_with_its_mtime_restored_is_not_served_stale(tiny_trace, tmp_path):
+    """Keyed by the recorded content hash; a file without one by its bytes, remembered per inode
+    change time (which no rewrite can restore)."""
+    path = tmp_path / "trace.parquet"
+    write_trace(path, tiny_trace(tokens=150, seed=4).meta, tiny_trace(tokens=150, seed=4).chunk)
+    legacy = legacy_copy(path, tmp_path / "legacy.parquet")
+    for trace in (path, legacy):
+        before = built(trace, tmp_path / "c")
+        st = trace.stat()
+        data = trace.read_bytes()
+        at = data.rindex(b'"model": "synthetic"')  # the footer's metadata: same length, valid
+        with open(trace, "r+b") as f:  # the same inode
+            f.seek(at + len(b'"model": "'))
+            f.write(b"SYNTHETIC")
+        os.utime(trace, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if trace == path:  # the recorded hashes no longer match: refused, never served
+            with pytest.raises(InputError, match="does not match its recorded SHA-256"):
+                cached_source(trace, tmp_path / "c")
+            continue
+        after = built(trace, tmp_path / "c")
+        assert before.meta.model == "synthetic" and after.meta.model == "SYNTHETIC"
+        assert after.built and after.directory != before.directory
+
+
+def test_a_trace_whose_content_does_not_match_its_hash_is_not_cached(trace_file, tmp_path):
+    table = pq.read_table(trace_file)
+    kv = dict(pq.read_metadata(trace_file).metadata)
+    kv.pop(b"ARROW:schema")
+    weights = table.column("weights").combine_chunks()
+    values = weights.flatten().to_numpy().copy()
+    values[0] *= 2  # still a valid weight
+    table = table.set_column(table.schema.get_field_index("weights"), "weights",
+                             pa.FixedSizeListArray.from_arrays(pa.array(values), weights.type.list_size))
+    damaged = tmp_path / "damaged.parquet"
+    pq.write_table(table.replace_schema_metadata(kv), damaged)
+    with pytest.raises(InputError, match="does not match the hash the file records"):
+        built(damaged, tmp_path / "c")
+    root = cache_root(tmp_path / "c")
+    assert [p.name for p in root.iterdir() if p.name != "hashes"] == []

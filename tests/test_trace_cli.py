@@ -1,16 +1,18 @@
-"""The moe-trace command: synth, import route-csv, info; overwrite refusal and bad input."""
+"""The moe-trace command: synth, import route-csv, info, repack; overwrite refusal and bad input."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from traces.cli import main
-from traces.format import read_trace
+from traces.format import read_trace, recorded_content_hash
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_ROUTE = REPO.parent / "shared" / "traces" / "qwen3-30b-a3b.route.csv"
@@ -95,3 +97,36 @@ def test_import_route_csv_and_recorded_hit_rate(tmp_path, capsys):
     assert main(["info", str(out), "--json"]) == 0
     hit = json.loads(capsys.readouterr().out)["decode_hit_rate"]
     assert (hit["hits"], hit["calls"]) == (29_597, 36_864)
+
+
+def test_info_verify_and_repack_of_a_file_without_hashes(tmp_path, capsys):
+    out = tmp_path / "t.parquet"
+    assert main(["synth", str(out), *SYNTH, "--logits", "full"]) == 0
+    assert main(["info", str(out)]) == 0
+    assert "content hash sha256:" in capsys.readouterr().out
+    assert main(["info", str(out), "--verify"]) == 0
+    assert "and every page checksum verified" in capsys.readouterr().out
+    older = tmp_path / "older.parquet"  # as earlier versions wrote it: no hashes, no checksums
+    pq.write_table(pq.read_table(out).replace_schema_metadata(pq.read_schema(out).metadata), older)
+    assert main(["info", str(older)]) == 0
+    assert "no content hash or page checksums" in capsys.readouterr().out
+    assert main(["info", str(older), "--verify"]) == 2
+    assert "records no content hash" in capsys.readouterr().err
+    again = tmp_path / "again.parquet"
+    assert main(["repack", str(older), str(again)]) == 0
+    assert main(["info", str(again), "--verify", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verified"] and summary["content_hash"] == recorded_content_hash(out)
+    a, b = read_trace(out)[1], read_trace(again)[1]
+    assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("experts", "gates", "logits", "seq"))
+
+
+@pytest.mark.parametrize("make", ["directory", "fifo"])
+def test_out_that_is_not_a_regular_file_is_refused_even_with_force(tmp_path, capsys, make):
+    out = tmp_path / "out"
+    out.mkdir() if make == "directory" else os.mkfifo(out)
+    for force in ([], ["--force"]):
+        assert main(["synth", str(out), *SYNTH, *force]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("is a directory" in err or "not a regular file" in err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -4,7 +4,10 @@ A file is written under a hidden temporary name beside its target (same file sys
 final rename is atomic) and renamed into place only when it is complete: readers see the old
 file, nothing, or the whole new one. Temporary names carry the writer's process id
 (``.{name}.{pid}.{random}.tmp``), so a later run can tell the leftovers of a killed writer from
-a file another live process is still writing (:func:`remove_orphans`).
+a file another live process is still writing (:func:`remove_orphans`); a directory built in
+place of a file (the trace cache's) carries the same kind of name. A full disk or a permission
+error while writing becomes one :class:`~traces.errors.InputError` naming the path
+(:func:`output_errors`).
 """
 from __future__ import annotations
 
@@ -12,8 +15,11 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from traces.errors import InputError
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
 
@@ -70,9 +76,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_orphans(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
-    """Remove temporary files in ``directory`` left by writers that no longer run.
+    """Remove temporary files and directories in ``directory`` left by writers that no longer run.
 
-    ``name``: only the temporaries of that target file name. Returns the removed paths.
+    ``name``: only the temporaries of that target name. Returns the removed paths.
     """
     removed = []
     try:
@@ -85,6 +91,23 @@ def remove_orphans(directory: str | os.PathLike, name: str | None = None) -> lis
             continue
         if int(m["pid"]) != os.getpid() and not pid_alive(int(m["pid"])):
             with contextlib.suppress(OSError):
-                p.unlink()
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
                 removed.append(p)
     return removed
+
+
+@contextlib.contextmanager
+def output_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Turn an OSError raised while writing ``path`` (disk full, permissions) into one InputError.
+
+    The message names ``path`` (the target, not its hidden temporary) and the cause.
+    """
+    try:
+        yield
+    except OSError as exc:
+        cause = " ".join((exc.strerror or str(exc)).split())
+        raise InputError(f"{path}: cannot be written ({cause}); free disk space, or choose a "
+                         "writable location") from None

@@ -2,10 +2,12 @@
 
     moe-trace synth OUT --tokens T --layers L --experts E --top-k K --seed S [--logits full|none] ...
     moe-trace import route-csv IN OUT
-    moe-trace info PATH [--json]
+    moe-trace repack IN OUT [--logits-quantum Q] [--compact-logits]
+    moe-trace info PATH [--json] [--verify]
 
-Bad input prints ``moe-trace: error: <one line>`` on stderr and exits 2; an output file is
-written completely or not at all, and an existing one is replaced only with ``--force``.
+Bad input, and a disk or permission error, prints ``moe-trace: error: <one line>`` on stderr
+(control characters escaped) and exits 2; an output file is written completely or not at all,
+and an existing one is replaced only with ``--force``. Pipes and devices are refused unread.
 """
 from __future__ import annotations
 
@@ -13,17 +15,34 @@ import argparse
 import json
 import math
 import sys
+import unicodedata
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 import numpy as np
 
 from traces.errors import EXIT_INPUT_ERROR, InputError
-from traces.format import PHASE_DECODE, PHASE_PREFILL, ArraySource, open_trace, repack_trace
-from traces.importers.route_csv import import_route_csv, is_route_csv, load_route_csv
+from traces.format import (
+    PHASE_DECODE,
+    PHASE_PREFILL,
+    ArraySource,
+    ensure_memory,
+    open_trace,
+    regular_file,
+    repack_trace,
+)
+from traces.importers.route_csv import (
+    MAGIC,
+    SHOWN_CHARS,
+    import_route_csv,
+    is_route_csv,
+    load_route_csv,
+    shown_line,
+)
 from traces.synth import SynthSpec, write_synth_trace
 
 TOP_SHARE = 0.10  # "top 10 % of experts" in the popularity summary
+PARQUET_MAGIC = b"PAR1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.command(args) or 0
     except InputError as exc:
-        print(f"moe-trace: error: {exc}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        print(f"moe-trace: error: {printable(str(exc))}", file=sys.stderr)
+    except OSError as exc:  # a read or write no check foresaw: still one line naming the path
+        cause = " ".join((exc.strerror or str(exc)).split())
+        print(f"moe-trace: error: {printable(str(exc.filename or '?'))}: {printable(cause)}; check "
+              "the path, free disk space and permissions", file=sys.stderr)
+    return EXIT_INPUT_ERROR
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters and lone surrogates escaped: safe to print as one line."""
+    return "".join(ch if unicodedata.category(ch)[0] != "C" else ascii(ch)[1:-1] for ch in text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,12 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="round router logits to multiples of Q, e.g. 1/32 (lossy; recorded "
                              "in the metadata); default: keep them exact")
     repack.add_argument("--model-name", default=None, help="set the model name recorded in the metadata")
+    repack.add_argument("--compact-logits", action="store_true",
+                        help="store the logits as float16 lists with byte-stream-split and zstd: "
+                             "smaller files (about 30 %% less), slower to decode (about 7x); "
+                             "default: float16 bytes with LZ4")
     _force(repack)
     repack.set_defaults(command=_repack)
 
     info = commands.add_parser("info", help="metadata and summary statistics of a trace")
     info.add_argument("path", metavar="PATH", help="trace file, or a route_trace v1 CSV")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
+    info.add_argument("--verify", action="store_true",
+                      help="decode every value and check the trace against its recorded content hash")
     info.set_defaults(command=_info)
     return parser
 
@@ -85,8 +119,14 @@ def _force(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_out(out: str, force: bool) -> None:
-    if Path(out).exists() and not force:
-        raise InputError(f"{out}: exists; pass --force to replace it")
+    path = Path(out)
+    if path.is_dir():
+        raise InputError(f"{out}: is a directory; give OUT a file name, e.g. {path / 'trace.parquet'}")
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            raise InputError(f"{out}: exists and is not a regular file; choose another OUT")
+        if not force:
+            raise InputError(f"{out}: exists; pass --force to replace it")
 
 
 def _progress() -> bool:
@@ -116,23 +156,51 @@ def _fraction(text: str) -> float:
 def _repack(args: argparse.Namespace) -> None:
     _check_out(args.out, args.force)
     repack_trace(args.src, args.out, logits_quantum=args.logits_quantum, model_name=args.model_name,
-                 progress=_progress())
+                 progress=_progress(), compact_logits=args.compact_logits)
 
 
 def _info(args: argparse.Namespace) -> None:
-    if is_route_csv(args.path):
-        source = ArraySource(*load_route_csv(args.path))
-        summary = summarize(source, args.path)
+    path = regular_file(args.path, "trace file or route_trace v1 CSV")
+    if is_route_csv(path):
+        if args.verify:
+            raise InputError(f"{path}: --verify checks Parquet traces; a route_trace CSV records no "
+                             "content hash (import it, then verify the trace)")
+        summary = summarize(ArraySource(*load_route_csv(path)), args.path)
     else:
-        with open_trace(args.path) as source:
+        with path.open("rb") as f:
+            start = f.read(len(PARQUET_MAGIC))
+        if start != PARQUET_MAGIC:
+            raise InputError(_not_a_trace(path))
+        with open_trace(path) as source:
             summary = summarize(source, args.path)
+            summary["content_hash"] = source.verify() if args.verify else source.content_hash
+            summary["verified"] = args.verify
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+
+
+def _not_a_trace(path: Path) -> str:
+    """What a file that is neither a Parquet trace nor a route_trace CSV looks like, in one line."""
+    with path.open("rb") as f:
+        head = f.read(SHOWN_CHARS + 1)
+    first = head.split(b"\n", 1)[0].decode("utf-8", "replace")
+    shown = shown_line(first)
+    if not head:
+        kind = "is empty"
+    elif all(ch.isprintable() or ch in "\t\r" for ch in first) and ("," in first or path.suffix.lower() == ".csv"):
+        kind = f"is a CSV/text file whose line 1 is {shown}, not '{MAGIC}'"
+    else:
+        kind = f"is not a Parquet file (it starts with {shown})"
+    return (f"{path}: {kind}; moe-trace reads Parquet traces and route_trace v1 CSV files (moe-trace "
+            "import converts the CSV)")
 
 
 def summarize(source, path: str = "") -> dict:
     """Summary statistics of a chunk source (one streaming pass), as plain JSON-able values."""
     meta = source.meta
     num_layers, num_experts = meta.num_layers, meta.num_experts
+    # the counts, their per-chunk increment and the sorted copy
+    ensure_memory(3 * 8 * num_layers * num_experts,
+                  f"counting calls per expert ({num_layers} layers x {num_experts} experts)", path)
     calls = np.zeros(num_layers * num_experts, dtype=np.int64)
     domain_tokens = np.zeros(len(meta.domains) + 1, dtype=np.int64)  # last bin: no domain
     tokens = prefill = sequences = prefill_batches = hits = decode_calls = 0
@@ -157,6 +225,8 @@ def summarize(source, path: str = "") -> dict:
     per_layer = np.sort(calls.reshape(num_layers, num_experts), axis=1)[:, ::-1]
     used = per_layer.sum(axis=1) > 0
     share = per_layer[used, :top].sum(axis=1) / per_layer[used].sum(axis=1)
+    quantum = meta.extra.get("logits_quantum")  # free-form metadata: a number or nothing
+    quantum = quantum if isinstance(quantum, int | float) and not isinstance(quantum, bool) else None
     domains = {name: int(n) for name, n in zip(meta.domains, domain_tokens[:-1], strict=True)}
     if domain_tokens[-1]:
         domains["(none)"] = int(domain_tokens[-1])
@@ -171,7 +241,7 @@ def summarize(source, path: str = "") -> dict:
         "has_logits": meta.has_logits,
         "logits_top_r": meta.logits_top_r,
         "has_residency": meta.has_residency,
-        "logits_quantum": meta.extra.get("logits_quantum"),
+        "logits_quantum": quantum,
         "expert_bytes": {"min": min(meta.expert_bytes), "max": max(meta.expert_bytes),
                          "total": int(sum(meta.expert_bytes)) * num_experts},
         "tokens": tokens,
@@ -217,8 +287,17 @@ def format_summary(s: dict) -> str:
     if hit and hit["calls"]:
         lines.append(("recorded", f"decode hit rate {_pct(hit['rate'])} "
                                   f"({hit['hits']:,} of {hit['calls']:,} decode calls)"))
+    if "content_hash" in s:
+        recorded = s["content_hash"]
+        lines.append(("integrity", f"content {recorded} and every page checksum verified"
+                      if s["verified"] else
+                      f"content hash {recorded} recorded (--verify checks it); page checksums "
+                      "checked on every read" if recorded else
+                      "no content hash or page checksums (an older file; moe-trace repack writes "
+                      "a copy with both)"))
     width = max(len(key) for key, _ in lines)
-    return "\n".join(f"{key:<{width}}  {value}" for key, value in lines)
+    # metadata is free text: a name must not move the cursor or clear the terminal
+    return "\n".join(f"{key:<{width}}  {printable(str(value))}" for key, value in lines)
 
 
 def _pct(fraction: float) -> str:

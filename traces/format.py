@@ -12,7 +12,8 @@ layer           int16                              MoE layer ordinal 0..L-1 (rea
 phase           int8                               0 = prefill, 1 = decode
 experts         fixed_size_list<int16>[k]          selected expert ids, rank order (rank 0 first)
 weights         fixed_size_list<float32>[k]        gate weights as the model applied them
-logits          fixed_size_list<float16>[E or R]   optional: router logits, all E or the top R
+logits          fixed_size_binary[2E or 2R]        optional: router logits as float16 bytes, all E
+                                                   or the top R (see *Logits encoding*)
 logit_ids       fixed_size_list<int16>[R]          with top-R logits: the expert id of each logit
 residency       fixed_size_list<int8>[k]           optional: 1 = was resident when recorded
 token_id        int32                              optional: vocabulary id of the token
@@ -35,16 +36,57 @@ JSON when 0 (all E logits), so such files read as before.
 A *group* is the unit the simulator processes at once: a maximal run of consecutive prefill
 tokens of one sequence (one batch per layer), or a single decode token.
 
+Logits encoding: the float16 bytes of a token-layer's logits as one fixed-size binary value,
+LZ4-compressed, so decoding is a decompression and a view. Measured on 2 cores (2,000 tokens of
+a 48 x 512 x top-10 synthetic trace, and the bundled 6 x 64 capture), read with page checksums
+verified, ms of CPU per 1k tokens to float16 / the logits column's size:
+
+=====================================  =====================  ======================
+logits column                          synthetic 48 x 512     bundled capture
+=====================================  =====================  ======================
+fixed_size_list<float16>, BSS + zstd   148 ms  64.5 MiB       2.5 ms  8.0 MiB
+fixed_size_binary + zstd                80 ms  72.8 MiB       0.7 ms  9.3 MiB
+fixed_size_binary + lz4 (the default)   21 ms  94.3 MiB       0.3 ms  14.7 MiB
+=====================================  =====================  ======================
+
+LZ4 barely compresses float16 logits (zstd's entropy coding does), so the default file is about
+as large as the raw logits and decodes at about the speed of reading them. The compact
+encoding, ``fixed_size_list<float16>`` with byte-stream-split and zstd (``TraceWriter(...,
+compact_logits=True)``, ``moe-trace repack --compact-logits``; every earlier version wrote it),
+is for files that must stay small, such as the bundled sample; readers take both. float16 ->
+float32 goes through a 256 KiB lookup table (``F16_TO_F32``), at most ``astype``'s time.
+
+Options every chunk source takes (``iter_chunks(max_tokens, *, logits=True, order_r=0)`` and
+``iter_chunks_reversed`` alike): ``logits=False`` leaves the logits column unread and undecoded
+(``chunk.logits`` is (0, L, E)); ``order_r=R`` adds ``chunk.logit_order``, per token-layer the
+ids of the R highest logits (at most E), descending, ties by lower id: the order
+``np.lexsort((ids, -logits))`` gives.
+
 Reading streams by Parquet row group: a chunk holds whole groups and, by default, about
 ``CHUNK_BYTES`` of decoded arrays, so memory follows the chunk size, not the file size. Every bad
 input raises :class:`traces.errors.InputError` with one line naming the file, the field and the
 fix; metadata and schema are checked on open, rows and values per chunk while streaming.
+
+Integrity: files are written with Parquet page checksums (CRC-32 of every page), verified on
+every read, and with a content hash (key ``moe_trace_content``: ``sha256:<hex>`` of the
+metadata JSON and every column's decoded values, see :class:`ContentHash`) that
+:meth:`TraceReader.verify` checks (``moe-trace info --verify``, and the trace cache before it
+keeps a copy), and the SHA-256 of the metadata JSON (key ``moe_trace_sha256``), checked on every
+open. Files written before carry none of these and still read; ``moe-trace repack`` adds them.
+
+Bounds: metadata integers are checked against caps named in the messages (``num_experts`` and
+``num_layers`` at most 32767: ids and layers are int16 on disk; byte sizes at most 2**40 per
+layer) before any arithmetic; a file with no rows, nulls in any column, or a read that would
+need more memory than is available (estimated before allocating) is refused.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import secrets
+import re
+import resource
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -54,10 +96,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from traces.atomic import output_errors, remove_orphans, temp_path
 from traces.errors import InputError
 
 SCHEMA_VERSION = 1
 META_KEY = b"moe_trace"
+CONTENT_KEY = b"moe_trace_content"  # "sha256:<hex>" of the decoded content (ContentHash)
+META_HASH_KEY = b"moe_trace_sha256"  # hex SHA-256 of the metadata JSON, checked on every open
+MAX_IDS = 2**15 - 1  # experts, layers and domains are numbered in int16 columns on disk
+MAX_LAYER_BYTES = 2**40  # sanity cap on the bytes of one expert, or of one layer's dense weights
+MAX_LAYER_ID = 2**31 - 1
+_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 PHASE_PREFILL = 0
 PHASE_DECODE = 1
 CHUNK_BYTES = 64 * 2**20  # decoded bytes a default chunk aims at
@@ -102,7 +151,7 @@ class TraceMeta:
         """Parse and check the metadata JSON; ``where`` names the file in error messages."""
         try:
             raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise InputError(
                 f"{where}: metadata 'moe_trace' is not valid JSON ({_one_line(exc)}); "
                 "re-create the trace with moe-trace or the capture tool"
@@ -144,23 +193,26 @@ class TraceMeta:
         if self.schema_version != SCHEMA_VERSION:
             raise bad("schema_version", f"is {self.schema_version}, only {SCHEMA_VERSION} is supported",
                       "write schema_version 1")
-        for name in ("num_layers", "num_experts", "top_k"):
-            if getattr(self, name) < 1:
-                raise bad(name, f"is {getattr(self, name)}", "it must be at least 1")
+        for name, (low, high, why) in META_BOUNDS.items():  # before any arithmetic on them
+            value = getattr(self, name)
+            for i, v in enumerate(value if isinstance(value, list) else [value]):
+                if not low <= v <= high:
+                    at = f" at layer {i}" if isinstance(value, list) else ""
+                    side = f"below {low}" if v < low else f"above the cap {high:,} ({why})"
+                    raise bad(name, f"is {v}{at}, {side}", "fix 'moe_trace' or re-create the trace")
+        if len(self.domains) > MAX_IDS:
+            raise bad("domains", f"has {len(self.domains)} names, above the cap {MAX_IDS} (the domain "
+                      "column is int16)", "merge domains")
         if self.top_k > self.num_experts:
             raise bad("top_k", f"is {self.top_k} > num_experts {self.num_experts}",
                       "top_k must not exceed num_experts")
         if len(self.expert_bytes) != self.num_layers:
             raise bad("expert_bytes", f"has {len(self.expert_bytes)} entries for {self.num_layers} layers",
                       "give one byte size per MoE layer")
-        if min(self.expert_bytes, default=1) < 1:
-            raise bad("expert_bytes", "has a size below 1 byte", "give each layer's expert size in bytes")
         for name in ("dense_bytes", "layer_ids"):
             if len(getattr(self, name)) not in (0, self.num_layers):
                 raise bad(name, f"has {len(getattr(self, name))} entries for {self.num_layers} layers",
                           "give one entry per MoE layer or none")
-        if min(self.dense_bytes, default=0) < 0:
-            raise bad("dense_bytes", "has a negative size", "give non-negative byte sizes")
         if self.score_function not in SCORE_FUNCTIONS:
             raise bad("score_function", f"is {self.score_function!r}", f"use one of {', '.join(SCORE_FUNCTIONS)}")
         r = self.logits_top_r
@@ -170,6 +222,17 @@ class TraceMeta:
             raise bad("logits_top_r", problem,
                       "keep at least the top_k selected experts' logits, or write 0 for all logits")
 
+
+# integer metadata: field -> (lowest, highest, why the cap); checked per entry for lists
+META_BOUNDS = {
+    "num_layers": (1, MAX_IDS, "layers are numbered in an int16 column"),
+    "num_experts": (1, MAX_IDS, "expert ids are int16 on disk"),
+    "top_k": (1, MAX_IDS, "expert ids are int16 on disk"),
+    "logits_top_r": (0, MAX_IDS, "expert ids are int16 on disk"),
+    "expert_bytes": (1, MAX_LAYER_BYTES, "a sanity cap of 1 TiB per expert"),
+    "dense_bytes": (0, MAX_LAYER_BYTES, "a sanity cap of 1 TiB per layer"),
+    "layer_ids": (0, MAX_LAYER_ID, "model layer indices are int32"),
+}
 
 _TYPE_CHECKS = {
     "str": lambda v: isinstance(v, str),
@@ -194,7 +257,8 @@ class TraceChunk:
     0); a chunk never splits a group. ``gates`` are the normalised gate weights g (the k
     weights of a token-layer divided by their sum). ``logits`` has shape (T, L, E) when the
     trace has logits (``-inf`` outside the top R of a top-R trace), else (0, L, E);
-    ``residency`` likewise (T, L, k) or (0, L, k).
+    ``residency`` likewise (T, L, k) or (0, L, k). ``logit_order`` (T, L, R): per token-layer
+    the ids of the R highest logits, descending, ties by lower id (a source's ``order_r``).
     """
 
     seq: np.ndarray  # int32[T]
@@ -208,6 +272,11 @@ class TraceChunk:
     logits: np.ndarray  # float32[T, L, E] or [0, L, E]
     residency: np.ndarray  # int8[T, L, k] or [0, L, k]
     nll: np.ndarray | None = None  # float32[T] (NaN where absent), or None
+    logit_order: np.ndarray | None = None  # int16[T, L, R] with order_r=R, else [0, L, 0]
+
+    def __post_init__(self):
+        if self.logit_order is None:
+            self.logit_order = np.zeros((0, self.experts.shape[1], 0), np.int16)
 
     @property
     def num_tokens(self) -> int:
@@ -305,11 +374,13 @@ def make_chunk(
     """A :class:`TraceChunk` from token arrays: weights (T, L, k) become gates, dtypes as documented.
 
     The tokens must start at a group boundary; groups are numbered from ``first_group``.
+    ``logits`` may be left out of a trace that has them (the chunk then holds none).
     """
     cols = _columns(meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
-                    logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
+                    logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll,
+                    logits_optional=True)
     t, num_layers = cols["seq"].shape[0], meta.num_layers
-    gates = cols["weights"] / cols["weights"].sum(axis=-1, keepdims=True)
+    gates = normalised_gates(cols["weights"])
     logits = cols.get("logits")
     residency = cols.get("residency")
     return TraceChunk(
@@ -329,7 +400,27 @@ def make_chunk(
     )
 
 
-def _columns(meta: TraceMeta, **arrays) -> dict[str, np.ndarray]:
+def normalised_gates(weights: np.ndarray) -> np.ndarray:
+    """Gate weights (T, L, k) divided by their sum per token-layer, as float32.
+
+    In float32, as the emulation (simulator/emulate.py) and earlier versions normalise, so
+    results stay bit-identical; a token-layer whose float32 sum overflows (weights near 3e38,
+    which would make every gate 0) is normalised in float64. The gates are checked finite.
+    """
+    w = np.ascontiguousarray(weights, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        sums = w.sum(axis=-1, keepdims=True)
+    gates = w / sums
+    overflow = ~np.isfinite(sums[..., 0])
+    if overflow.any():
+        wide = w[overflow].astype(np.float64)
+        gates[overflow] = wide / wide.sum(axis=-1, keepdims=True)
+    if not np.isfinite(gates).all():
+        raise ValueError("gate weights must be finite, non-negative and of positive sum")
+    return gates
+
+
+def _columns(meta: TraceMeta, logits_optional: bool = False, **arrays) -> dict[str, np.ndarray]:
     """Token arrays with shapes checked and on-disk dtypes; absent optional columns left out."""
     t = np.shape(arrays["seq"])[0]
     shape_k = (t, meta.num_layers, meta.top_k)
@@ -344,7 +435,8 @@ def _columns(meta: TraceMeta, **arrays) -> dict[str, np.ndarray]:
     cols = {}
     for name, (shape, dtype) in spec.items():
         value = arrays.get(name)
-        if name in wanted and (value is not None) != wanted[name]:
+        if name in wanted and (value is not None) != wanted[name] and not (
+                name == "logits" and logits_optional and value is None):
             raise ValueError(f"'{name}' must be given exactly when meta.has_{name} is true")
         if value is None:
             continue
@@ -382,7 +474,8 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
                            "each token-layer must select k distinct experts")
     if problem:
         return problem
-    bad_weight = (~np.isfinite(weights) | (weights < 0)).any(axis=-1) | (weights.sum(axis=-1) <= 0)
+    bad_weight = ((~np.isfinite(weights) | (weights < 0)).any(axis=-1)
+                  | (weights.sum(axis=-1, dtype=np.float64) <= 0))
     if bad_weight.any():
         t, layer = first(bad_weight)
         shown = [float(f"{w:.4g}") for w in weights[t, layer]]
@@ -390,7 +483,7 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
                        "non-negative and of positive sum", "record the gate weights the model applied")
     logits = cols.get("logits")
     if logits is not None:
-        nan = np.isnan(logits).any(axis=-1)
+        nan = (_is_nan(logits)).any(axis=-1)
         if nan.any():
             t, layer = first(nan)
             return Problem("logits", t, layer, "router logits contain NaN",
@@ -422,6 +515,13 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             return Problem("domain", t, None, f"index {domain[t]} has no name in the metadata's "
                            f"{len(meta.domains)} domains", "list every domain name in meta.domains")
     return None
+
+
+def _is_nan(values: np.ndarray) -> np.ndarray:
+    """NaN mask; float16 by its bits (numpy computes float16 isnan element by element in software)."""
+    if values.dtype != np.float16:
+        return np.isnan(values)
+    return (values.view(np.uint16) & 0x7FFF) > 0x7C00
 
 
 def _ids_problem(column: str, ids: np.ndarray, num_experts: int, first, listed: str,
@@ -474,9 +574,12 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def arrow_schema(meta: TraceMeta, token_columns: Iterable[str] = ()) -> pa.Schema:
-    """The Arrow schema of a trace file with these optional per-token columns, metadata attached."""
+def arrow_schema(meta: TraceMeta, token_columns: Iterable[str] = (), compact_logits: bool = False) -> pa.Schema:
+    """The Arrow schema of a trace file with these optional per-token columns, metadata attached;
+    ``compact_logits``: logits in the compact encoding (module docstring, *Logits encoding*)."""
     types = _arrow_types(meta)
+    if compact_logits:
+        types["logits"] = _compact_logits_type(meta)
     names = ["seq", "pos", "layer", "phase", "experts", "weights"]
     names += [name for name, present in (("logits", meta.has_logits), ("logit_ids", meta.logits_top_r > 0),
                                          ("residency", meta.has_residency)) if present]
@@ -490,7 +593,7 @@ def _arrow_types(meta: TraceMeta) -> dict[str, pa.DataType]:
     return {
         "seq": pa.int32(), "pos": pa.int32(), "layer": pa.int16(), "phase": pa.int8(),
         "experts": pa.list_(pa.int16(), k), "weights": pa.list_(pa.float32(), k),
-        "logits": pa.list_(pa.float16(), width), "logit_ids": pa.list_(pa.int16(), width),
+        "logits": pa.binary(2 * width), "logit_ids": pa.list_(pa.int16(), width),
         "residency": pa.list_(pa.int8(), k),
         "token_id": pa.int32(), "domain": pa.int16(), "nll": pa.float32(),
     }
@@ -499,6 +602,19 @@ def _arrow_types(meta: TraceMeta) -> dict[str, pa.DataType]:
 def _logits_width(meta: TraceMeta) -> int:
     """Logits stored per token-layer: R, or all E."""
     return meta.logits_top_r or meta.num_experts
+
+
+def _compact_logits_type(meta: TraceMeta) -> pa.DataType:
+    """The logits column in the compact encoding (as earlier versions wrote every trace)."""
+    return pa.list_(pa.float16(), _logits_width(meta))
+
+
+F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # 256 KiB
+
+
+def float32_logits(stored: np.ndarray) -> np.ndarray:
+    """float16 logits as float32, through the lookup table (exactly ``astype``'s values)."""
+    return np.take(F16_TO_F32, np.ascontiguousarray(stored).view(np.uint16), mode="clip")
 
 
 def _stored_logits(meta: TraceMeta, logits: np.ndarray, experts: np.ndarray) -> dict[str, np.ndarray]:
@@ -516,10 +632,60 @@ def _stored_logits(meta: TraceMeta, logits: np.ndarray, experts: np.ndarray) -> 
 
 
 def _dense_logits(meta: TraceMeta, values: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Top-R logits and their ids -> float32 (T, L, E), -inf outside the R."""
-    dense = np.full((*values.shape[:-1], meta.num_experts), -np.inf, np.float32)
-    np.put_along_axis(dense, ids.astype(np.intp), values.astype(np.float32), axis=-1)
+    """Top-R logits and their ids -> (T, L, E) in their dtype, -inf outside the R."""
+    dense = np.full((*values.shape[:-1], meta.num_experts), -np.inf, values.dtype)
+    np.put_along_axis(dense, ids.astype(np.intp), values, axis=-1)
     return dense
+
+
+def decoded_logits(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
+    """Stored float16 logits (T, L, E), or top R with their ids, as the dense float32 readers give."""
+    return float32_logits(stored if ids is None else _dense_logits(meta, stored, ids))
+
+
+def _order_preserving(bits: np.ndarray) -> np.ndarray:
+    """Unsigned keys in the order of the floats whose bits these are (-0.0 keyed as +0.0)."""
+    sign = bits.dtype.type(1 << (8 * bits.itemsize - 1))
+    bits = np.where(bits == sign, 0, bits)
+    return np.where(bits & sign, ~bits, bits | sign)
+
+
+# a float16's sort key, shifted above the 16 bits that hold 0xFFFF - id (256 KiB)
+_F16_SORT_KEY = _order_preserving(np.arange(2**16, dtype=np.uint16)).astype(np.uint32) << np.uint32(16)
+
+
+def logit_order(logits: np.ndarray, r: int, ids: np.ndarray | None = None) -> np.ndarray:
+    """int16 (..., r): the ids of the ``r`` highest logits, descending, ties by lower id.
+
+    ``logits`` (..., n) float16 or float32 (not NaN); their ids are 0..n-1, or ``ids`` (...,
+    n). One sort key per logit (the logit made order-preserving, above 0xFFFF - id) is unique
+    within a token-layer, so a partition and a sort of the r largest give exactly the order of
+    ``np.lexsort((ids, -logits))``. float16 keys come from a lookup table, in uint32.
+    """
+    n = logits.shape[-1]
+    low = 0xFFFF - (np.arange(n) if ids is None else ids.astype(np.int64))
+    if logits.dtype == np.float16:
+        keys = np.take(_F16_SORT_KEY, np.ascontiguousarray(logits).view(np.uint16), mode="clip")
+        keys |= low.astype(np.uint32)
+    else:
+        bits = np.ascontiguousarray(logits, dtype=np.float32).view(np.uint32)
+        keys = (_order_preserving(bits).astype(np.uint64) << np.uint64(16)) | low.astype(np.uint64)
+    keys.partition(n - r, axis=-1)
+    top = np.sort(keys[..., n - r:], axis=-1)[..., ::-1]
+    return (0xFFFF - (top & 0xFFFF)).astype(np.int16)
+
+
+def stored_logit_order(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None, r: int) -> np.ndarray:
+    """:func:`logit_order` of the dense logits, from the stored float16 ones (top-R with ids).
+
+    From a top-R trace's R stored logits alone when r <= R and none of them is ``-inf`` (the
+    experts outside the R are ``-inf``: they rank lower); otherwise over the dense logits.
+    """
+    if ids is None:
+        return logit_order(stored, r)
+    if r <= ids.shape[-1] and not np.isneginf(stored).any():
+        return logit_order(stored, r, ids)
+    return logit_order(_dense_logits(meta, stored, ids), r)
 
 
 def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
@@ -534,34 +700,71 @@ def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -
         value = cols[name]
         if value.ndim == 1:
             arrays.append(pa.array(np.repeat(value, num_layers)))
+        elif pa.types.is_fixed_size_binary(schema.field(name).type):  # a token-layer's float16 bytes
+            data = np.ascontiguousarray(value, dtype=np.float16)
+            arrays.append(pa.FixedSizeBinaryArray.from_buffers(
+                schema.field(name).type, t * num_layers, [None, pa.py_buffer(data)]))
         else:
             flat = value.astype(schema.field(name).type.value_type.to_pandas_dtype(), copy=False)
             arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), value.shape[-1]))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+class ContentHash:
+    """SHA-256 of a trace's decoded content, independent of row groups, chunking and encoding.
+
+    The digest covers the metadata JSON and, per column present, the values in their on-disk
+    dtypes in trace order: per-token columns once per token, per-layer columns per token-layer
+    (logits as float16, top-R logits with their ``logit_ids``; ``layer`` is implied by the row
+    structure). Writer and reader feed it the same arrays, so it is what a reader decodes.
+    """
+
+    def __init__(self, meta: TraceMeta):
+        self._meta = meta.to_json().encode()
+        self._columns: dict[str, hashlib._Hash] = {}
+
+    def update(self, cols: dict[str, np.ndarray]) -> None:
+        """Add consecutive tokens' columns (on-disk dtypes, as TraceReader reads them)."""
+        for name, value in cols.items():
+            digest = self._columns.setdefault(name, hashlib.sha256())
+            digest.update(np.ascontiguousarray(value).view(np.uint8).reshape(-1).data)
+
+    def hexdigest(self) -> str:
+        whole = hashlib.sha256(b"moe-trace content v1\n" + self._meta)
+        for name in sorted(self._columns):
+            whole.update(name.encode() + b"\0" + self._columns[name].digest())
+        return "sha256:" + whole.hexdigest()
+
+
 class TraceWriter:
     """Writes whole tokens to a trace file, streaming row groups of ``row_group_tokens`` tokens.
 
     Rows go to a temporary file beside ``path``, which replaces ``path`` only when the writer
-    closes without error; an exception inside the ``with`` block leaves no file at ``path``.
+    closes without error; an exception inside the ``with`` block leaves no file at ``path``, and
+    temporaries of writers killed before them are removed when the next writer to ``path``
+    starts. A trace needs at least one token; a full disk or a permission error raises one
+    InputError naming ``path``. ``compact_logits``: the smaller, slower logits encoding.
     """
 
-    def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None):
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None,
+                 compact_logits: bool = False):
         self.path = Path(path)
         self.meta = meta
+        self.compact_logits = compact_logits
         meta.check(str(self.path))
         self.row_group_tokens = row_group_tokens or default_row_group_tokens(meta)
         if not self.path.parent.is_dir():
             raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
-        # a hidden name beside the target (same file system, so the final rename is atomic);
-        # created by the Parquet writer, so it gets the usual permissions
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        if self.path.is_dir():
+            raise InputError(f"{self.path}: is a directory; give the trace a file name inside it")
+        remove_orphans(self.path.parent, self.path.name)
+        self._tmp = temp_path(self.path)  # created by the Parquet writer: the usual permissions
         self._writer: pq.ParquetWriter | None = None
         self._schema: pa.Schema | None = None
         self._pending: list[dict[str, np.ndarray]] = []
         self._pending_tokens = 0
         self._last: tuple[int, int] | None = None
+        self._content = ContentHash(meta)
         self.num_tokens = 0
 
     def write(self, *, seq, pos, phase, experts, weights, logits=None, residency=None,
@@ -579,18 +782,24 @@ class TraceWriter:
             _raise(str(self.path), problem, cols["seq"], cols["pos"])
         if "logits" in cols:
             cols.update(_stored_logits(self.meta, cols["logits"], cols["experts"]))
+        self._append(cols)
+
+    def _append(self, cols: dict[str, np.ndarray]) -> None:
+        """Append checked tokens in their on-disk form (as TraceReader reads them)."""
         if self._schema is None:
-            self._schema = arrow_schema(self.meta, [n for n in _TOKEN_COLUMNS if n in cols])
+            self._schema = arrow_schema(self.meta, [n for n in _TOKEN_COLUMNS if n in cols], self.compact_logits)
         elif set(cols) != set(self._schema.names) - {"layer"}:
             raise ValueError("every write must give the same optional columns as the first")
         if not cols["seq"].size:
             return
+        self._content.update(cols)
         self._last = (int(cols["seq"][-1]), int(cols["pos"][-1]))
         self._pending.append(cols)
         self._pending_tokens += cols["seq"].shape[0]
         self.num_tokens += cols["seq"].shape[0]
         if self._pending_tokens >= self.row_group_tokens:
-            self._flush(final=False)
+            with output_errors(self.path):
+                self._flush(final=False)
 
     def write_chunk(self, chunk: TraceChunk) -> None:
         """Append a decoded chunk (its gates are written as the weights)."""
@@ -604,8 +813,6 @@ class TraceWriter:
 
     def _flush(self, final: bool) -> None:
         if self._writer is None:
-            if self._schema is None:
-                self._schema = arrow_schema(self.meta)
             self._writer = pq.ParquetWriter(self._tmp, self._schema, **parquet_options(self._schema))
         if not self._pending:
             return
@@ -621,14 +828,20 @@ class TraceWriter:
         self._pending_tokens = n - whole
 
     def close(self) -> None:
-        """Write what is pending and move the file into place."""
+        """Write what is pending, record the content hash and move the file into place."""
         try:
-            self._flush(final=True)
-            self._writer.close()
+            if not self.num_tokens:
+                raise InputError(f"{self.path}: no tokens were written; a trace needs at least one token")
+            with output_errors(self.path):
+                self._flush(final=True)
+                self._writer.add_key_value_metadata({
+                    CONTENT_KEY: self._content.hexdigest(),
+                    META_HASH_KEY: hashlib.sha256(self.meta.to_json().encode()).hexdigest()})
+                self._writer.close()
+                os.replace(self._tmp, self.path)
         except BaseException:
             self.abort()
             raise
-        os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
         """Drop everything written; ``path`` is left as it was."""
@@ -650,58 +863,50 @@ class TraceWriter:
 
 
 def parquet_options(schema: pa.Schema) -> dict:
-    """Writer settings: zstd, and byte-stream-split for float columns (about 13 % smaller logits)."""
+    """Writer settings: LZ4 for the logits (see *Logits encoding*), zstd and byte-stream-split
+    for the float columns, zstd and dictionaries for the integers, and a CRC-32 checksum on
+    every page (verified by the reader)."""
     def leaf(f: pa.Field) -> tuple[str, pa.DataType]:
         nested = pa.types.is_fixed_size_list(f.type)
         return (f"{f.name}.list.element", f.type.value_type) if nested else (f.name, f.type)
 
     leaves = [leaf(f) for f in schema]
     floats = [name for name, t in leaves if pa.types.is_floating(t)]
-    others = [name for name, t in leaves if not pa.types.is_floating(t)]
+    integers = [name for name, t in leaves if pa.types.is_integer(t)]
     # dictionary encoding would take precedence over byte-stream-split: integers only
-    return {"compression": "zstd", "use_dictionary": others,
-            "use_byte_stream_split": floats}
+    return {"compression": {name: "lz4" if name == "logits" else "zstd" for name, _ in leaves},
+            "use_dictionary": integers, "use_byte_stream_split": floats, "write_page_checksum": True}
 
 
 def repack_trace(src: str | os.PathLike, dst: str | os.PathLike, logits_quantum: float | None = None,
-                 model_name: str | None = None, progress: bool = False) -> TraceMeta:
-    """Rewrite a trace row group by row group, optionally rounding its logits to a quantum.
+                 model_name: str | None = None, progress: bool = False,
+                 compact_logits: bool = False) -> TraceMeta:
+    """Rewrite a trace in the current encoding (``compact_logits``: the compact one), with page
+    checksums and a content hash.
 
-    Rounding router logits to multiples of ``logits_quantum`` (recorded in the metadata as
-    ``extra.logits_quantum``) is lossy but keeps gate weights and expert ids exact; a quantum of
+    Every value is read, checked and written as it was, except that with ``logits_quantum``
+    the router logits are rounded to multiples of it (recorded in the metadata as
+    ``extra.logits_quantum``): lossy, but gate weights and expert ids stay exact; a quantum of
     1/32 is the resolution bf16 itself has for logits of magnitude 4 to 8.
     """
-    reader = open_trace(src)
-    meta = reader.meta
-    if model_name:
-        meta.model = model_name
-    if logits_quantum is not None:
-        if not meta.has_logits:
-            raise InputError(f"{src}: has no logits; drop --logits-quantum")
-        if not (0 < logits_quantum <= 1):
-            raise InputError(f"--logits-quantum={logits_quantum} must be in (0, 1], e.g. 0.03125")
-        meta.extra = {**meta.extra, "logits_quantum": float(logits_quantum)}
-    dst = Path(dst)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    pf = reader._pf
-    schema = pf.schema_arrow.with_metadata({META_KEY: meta.to_json().encode()})
-    try:
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as writer:
-            for i in tqdm(range(pf.num_row_groups), desc="repack", unit="row group", disable=not progress):
-                table = pf.read_row_group(i).replace_schema_metadata(schema.metadata)
+    with open_trace(src) as reader:
+        meta = reader.meta
+        if model_name:
+            meta.model = model_name
+        if logits_quantum is not None:
+            if not meta.has_logits:
+                raise InputError(f"{src}: has no logits; drop --logits-quantum")
+            if not (0 < logits_quantum <= 1):
+                raise InputError(f"--logits-quantum={logits_quantum} must be in (0, 1], e.g. 0.03125")
+            meta.extra = {**meta.extra, "logits_quantum": float(logits_quantum)}
+        with TraceWriter(dst, meta, compact_logits=compact_logits) as writer, tqdm(total=reader.num_tokens, unit="tok", desc="repack",
+                                                     disable=not progress) as bar:
+            for _, cols in reader.iter_stored():
                 if logits_quantum is not None:
-                    logits = table.column("logits").combine_chunks()
-                    values = logits.values.to_numpy(zero_copy_only=False).astype(np.float32)
-                    rounded = (np.round(values / logits_quantum) * logits_quantum).astype(np.float16)
-                    column = pa.FixedSizeListArray.from_arrays(pa.array(rounded), _logits_width(meta))
-                    table = table.set_column(table.schema.get_field_index("logits"), "logits", column)
-                writer.write_table(table, row_group_size=table.num_rows)
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        reader.close()
+                    values = cols["logits"].astype(np.float32)
+                    cols["logits"] = (np.round(values / logits_quantum) * logits_quantum).astype(np.float16)
+                writer._append(cols)
+                bar.update(cols["seq"].shape[0])
     return meta
 
 
@@ -748,13 +953,51 @@ class _RowGroups:
 
 
 def _numpy(table: pa.Table, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A column as a numpy array of ``shape`` (list columns flattened), copied out of Arrow."""
+    """A column as a numpy array of ``shape`` (list columns flattened, binary logits viewed as
+    float16), copied out of Arrow; binary logits of one piece stay a read-only view of it (they
+    are converted, never handed out as they are)."""
     pieces = []
     for piece in table.column(name).chunks:
+        if pa.types.is_fixed_size_binary(piece.type):
+            width = piece.type.byte_width
+            data = np.frombuffer(piece.buffers()[1], np.uint8)
+            pieces.append(data[piece.offset * width:(piece.offset + len(piece)) * width].view(np.float16))
+            if len(table.column(name).chunks) == 1:
+                return pieces[0].reshape(shape)
+            continue
         if pa.types.is_fixed_size_list(piece.type):
             piece = piece.flatten()
         pieces.append(piece.to_numpy(zero_copy_only=False))  # a view where Arrow allows
     return np.concatenate(pieces).reshape(shape)
+
+
+def _first_null_row(column: pa.ChunkedArray) -> int | None:
+    """Index of the first row that is null or holds a null list entry, or None."""
+    offset = 0
+    for piece in column.chunks:
+        nested = pa.types.is_fixed_size_list(piece.type)
+        if piece.null_count or (nested and piece.flatten().null_count):
+            null = piece.is_null().to_numpy(zero_copy_only=False)
+            if nested:  # the entries of every row, null rows included
+                width = piece.type.list_size
+                entries = piece.values.slice(piece.offset * width, len(piece) * width)
+                null |= entries.is_null().to_numpy(zero_copy_only=False).reshape(len(piece), width).any(axis=1)
+            return offset + int(np.argmax(null))
+        offset += len(piece)
+    return None
+
+
+def _raise_on_nulls(where: str, columns: Iterable[tuple[str, pa.ChunkedArray]], first_row: int,
+                    num_layers: int) -> None:
+    for name, column in columns:
+        row = _first_null_row(column)
+        if row is not None:
+            row += first_row
+            raise InputError(
+                f"{where}: column '{name}' at row {row} (token {row // num_layers}, layer "
+                f"{row % num_layers}) is null or holds a null entry; nulls are not allowed in a "
+                "trace, re-create it"
+            )
 
 
 class TraceReader:
@@ -767,68 +1010,121 @@ class TraceReader:
         self.meta = _read_meta(self._pf, self._where)
         self._columns = _check_schema(self._pf.schema_arrow, self.meta, self._where)
         self.num_rows = int(self._pf.metadata.num_rows)
+        if not self.num_rows:
+            raise InputError(f"{self._where}: the trace has no rows (0 tokens); re-create it with at "
+                             "least one token")
         if self.num_rows % self.meta.num_layers:
             raise InputError(
                 f"{self._where}: {self.num_rows} rows are not a multiple of num_layers "
                 f"{self.meta.num_layers} (a token is missing layers or the file is truncated); "
                 "re-create the trace"
             )
+        md = self._pf.metadata
+        self._max_row_group_rows = max(md.row_group(i).num_rows for i in range(md.num_row_groups))
+        self._need_memory(1)  # one token and one row group
         self._plans: dict[int, np.ndarray] = {}
 
     @property
     def num_tokens(self) -> int:
         return self.num_rows // self.meta.num_layers
 
-    def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+    @property
+    def content_hash(self) -> str | None:
+        """The content hash the file records (``sha256:<hex>``), or None for older files."""
+        return _recorded_hash(self._pf, self._where)
+
+    def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
+                    order_r: int = 0) -> Iterator[TraceChunk]:
         """Chunks of whole groups in trace order, each of at most ``max_tokens`` tokens.
 
         A group longer than ``max_tokens`` comes as one chunk. Default: ~CHUNK_BYTES decoded.
+        ``logits=False``: the logits column is not read; ``order_r``: ``chunk.logit_order``
+        (module docstring, *Options*).
         """
-        return self._iter(self._plan(max_tokens), descending=False)
+        return self._iter(self._plan(max_tokens), False, logits, order_width(self.meta, order_r))
 
-    def iter_chunks_reversed(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+    def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
+                             order_r: int = 0) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first (group ids as in forward order)."""
-        return self._iter(self._plan(max_tokens)[::-1], descending=True)
+        return self._iter(self._plan(max_tokens)[::-1], True, logits, order_width(self.meta, order_r))
+
+    def iter_stored(self, max_tokens: int | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """(first group, checked columns) of each chunk in trace order, the columns in their
+        on-disk form (what TraceWriter writes, ContentHash hashes and :func:`decode_stored`
+        decodes): per-token columns (T,), per-layer ones (T, L, width), logits float16."""
+        rows = _RowGroups(self._pf, self._columns, self._where)
+        for start, stop, first_group in self._plan(max_tokens):
+            yield int(first_group), self._read_stored(rows, int(start), int(stop), descending=False)
+
+    def verify(self) -> str:
+        """Decode the whole file and check it against its recorded content hash; return the hash.
+
+        Raises InputError if the file records none (written by an older version) or if the
+        decoded content differs (the file was changed or damaged after it was written).
+        """
+        recorded = self.content_hash
+        if recorded is None:
+            raise InputError(f"{self._where}: records no content hash (written by an older version); "
+                             "moe-trace repack IN OUT writes a copy with one")
+        content = ContentHash(self.meta)
+        for _, cols in self.iter_stored():
+            content.update(cols)
+        found = content.hexdigest()
+        if found != recorded:
+            raise InputError(f"{self._where}: the decoded content has hash {found[:23]}..., the file "
+                             f"records {recorded[:23]!r}...; the file was changed or damaged after it "
+                             "was written, re-create or restore it")
+        return found
 
     def read_all(self) -> TraceChunk:
         """The whole trace as one chunk (small traces, tests)."""
-        self._plan(max(1, self.num_tokens))  # checks the row structure
-        rows = _RowGroups(self._pf, self._columns, self._where)
-        return self._read_chunk(rows, 0, self.num_tokens, 0, descending=False)
+        return next(self._iter(self._plan(max(1, self.num_tokens)), False, True, 0))
 
-    def _iter(self, plan: np.ndarray, descending: bool) -> Iterator[TraceChunk]:
-        rows = _RowGroups(self._pf, self._columns, self._where)
+    def _iter(self, plan: np.ndarray, descending: bool, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+        skipped = () if logits or order_r else ("logits", "logit_ids")
+        rows = _RowGroups(self._pf, [name for name in self._columns if name not in skipped], self._where)
         for start, stop, first_group in plan:
-            yield self._read_chunk(rows, int(start), int(stop), int(first_group), descending)
+            stored = self._read_stored(rows, int(start), int(stop), descending)
+            yield decode_stored(self.meta, stored, int(first_group), logits=logits, order_r=order_r)
 
-    def _read_chunk(self, rows: _RowGroups, start: int, stop: int, first_group: int,
-                    descending: bool) -> TraceChunk:
+    def _read_stored(self, rows: _RowGroups, start: int, stop: int,
+                     descending: bool) -> dict[str, np.ndarray]:
         meta = self.meta
         num_layers, t = meta.num_layers, stop - start
         table = rows.read(start * num_layers, stop * num_layers, descending)
+        _raise_on_nulls(self._where, ((name, table.column(name)) for name in rows.columns),
+                        start * num_layers, num_layers)
         per_layer = {"experts": meta.top_k, "weights": meta.top_k, "residency": meta.top_k,
                      "logits": _logits_width(meta), "logit_ids": _logits_width(meta)}
         cols = {}
-        for name in self._columns:
+        for name in rows.columns:
             if name in per_layer:
                 cols[name] = _numpy(table, name, (t, num_layers, per_layer[name]))
             elif name != "layer":
                 cols[name] = _numpy(table, name, (t, num_layers))[:, 0].copy()
         del table
-        if "logits" in cols:
-            cols["logits"] = cols["logits"].astype(np.float32)  # once, on load
         problem = find_problem(meta, cols)
         if problem:
             _raise(self._where, problem, cols["seq"], cols["pos"])
-        if "logit_ids" in cols:
-            cols["logits"] = _dense_logits(meta, cols["logits"], cols.pop("logit_ids"))
-        return make_chunk(meta, **cols, first_group=first_group)
+        return cols
 
     def _plan(self, max_tokens: int | None) -> np.ndarray:
         max_tokens = default_max_tokens(self.meta) if max_tokens is None else int(max_tokens)
         if max_tokens not in self._plans:
-            self._plans[max_tokens] = plan_chunks(self._scan_group_starts(), self.num_tokens, max_tokens)
+            plan = plan_chunks(self._scan_group_starts(), self.num_tokens, max_tokens)
+            self._need_memory(int((plan[:, 1] - plan[:, 0]).max()))
+            self._plans[max_tokens] = plan
         return self._plans[max_tokens]
+
+    def _need_memory(self, chunk_tokens: int) -> None:
+        """Refuse, before allocating, a read whose chunk and row group exceed the free memory."""
+        meta = self.meta
+        stored_token = _token_bytes(meta, per_rank=6, per_logit=2, per_token=15, stored=True)
+        # a row group in Arrow memory, the chunk's stored copy, and the decoded chunk
+        need = (self._max_row_group_rows * (stored_token // meta.num_layers + 11)
+                + chunk_tokens * (stored_token + _token_bytes(meta, per_rank=8, per_logit=4, per_token=27)))
+        ensure_memory(need, f"decoding a chunk of {chunk_tokens:,} tokens ({meta.num_layers} layers x "
+                            f"{meta.num_experts} experts)", self._where)
 
     def _scan_group_starts(self) -> Iterator[np.ndarray]:
         """Stream the small columns, check row structure and order, yield group starts."""
@@ -871,12 +1167,41 @@ class TraceReader:
         self.close()
 
 
+def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: int, *,
+                  logits: bool = True, order_r: int = 0) -> TraceChunk:
+    """The chunk of checked on-disk columns (:meth:`TraceReader.iter_stored`); groups from
+    ``first_group``. Logits become dense float32 if ``logits``; ``order_r`` (at most E) adds
+    ``logit_order``."""
+    cols = dict(stored)
+    values, ids = cols.pop("logits", None), cols.pop("logit_ids", None)
+    if logits and values is not None:
+        cols["logits"] = decoded_logits(meta, values, ids)
+    chunk = make_chunk(meta, **cols, first_group=first_group)
+    if order_r:
+        chunk.logit_order = stored_logit_order(meta, values, ids, order_r)
+    return chunk
+
+
+def order_width(meta: TraceMeta, order_r: int) -> int:
+    """The R of ``logit_order`` for a source's ``order_r`` option: at most E; 0 for none."""
+    order_r = int(order_r)
+    if order_r < 0:
+        raise ValueError(f"order_r must be >= 0, got {order_r}")
+    if order_r and not meta.has_logits:
+        raise ValueError("order_r needs a trace with logits")
+    return min(order_r, meta.num_experts)
+
+
 def _whole_token_rows(pf: pq.ParquetFile, columns: list[str], tokens: int, num_layers: int,
                       where: str) -> Iterator[dict[str, np.ndarray]]:
     """Stream columns in batches of whole tokens (num_layers rows each), whatever the row groups."""
     carry: dict[str, np.ndarray] | None = None
+    first_row = 0  # of the batch
     try:
         for batch in pf.iter_batches(batch_size=tokens * num_layers, columns=columns):
+            _raise_on_nulls(where, ((name, pa.chunked_array([batch.column(name)])) for name in columns),
+                            first_row, num_layers)
+            first_row += batch.num_rows
             rows = {name: batch.column(name).to_numpy(zero_copy_only=False) for name in columns}
             if carry:
                 rows = {name: np.concatenate([carry[name], rows[name]]) for name in columns}
@@ -891,11 +1216,88 @@ def _whole_token_rows(pf: pq.ParquetFile, columns: list[str], tokens: int, num_l
         ) from None
 
 
-def _open_parquet(path: Path) -> pq.ParquetFile:
-    if not path.is_file():
-        raise InputError(f"{path}: no such trace file; check the path")
+def regular_file(path: str | os.PathLike, what: str = "trace file") -> Path:
+    """``path`` if it names a regular file; checked with stat, so a pipe or device is never opened."""
+    path = Path(path)
     try:
-        return pq.ParquetFile(path)
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such {what}; check the path") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read ({exc.strerror}); check the path and its "
+                         "permissions") from None
+    if not stat.S_ISREG(mode):
+        kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                 (stat.S_ISSOCK, "a socket"))
+        kind = next((name for test, name in kinds if test(mode)), "a special file")
+        raise InputError(f"{path}: is {kind}, not a regular file; give the path of a {what}")
+    return path
+
+
+def available_memory_bytes() -> int:
+    """Bytes this process can still allocate: the least of the system's available memory, the
+    cgroup's headroom and the address-space limit's headroom (``ulimit -v``)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    if not limits:
+        limits.append(os.sysconf("SC_AVPHYS_PAGES") * page)
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        high = (cgroup / "memory.max").read_text().strip()
+        if high != "max":
+            limits.append(int(high) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        with open("/proc/self/statm") as f:
+            limits.append(soft - int(f.read().split()[0]) * page)
+    return max(0, min(limits))
+
+
+def ensure_memory(nbytes: int, what: str, where: str) -> None:
+    """Raise InputError, before anything is allocated, if ``what`` needs more than the free memory."""
+    available = available_memory_bytes()
+    if nbytes > available:
+        raise InputError(
+            f"{where}: {what} needs about {nbytes / 2**30:,.1f} GiB ({nbytes:,} bytes), more than the "
+            f"{available / 2**30:,.1f} GiB available; check the sizes in the metadata (a damaged file "
+            "can claim absurd ones), or use a host with more memory"
+        )
+
+
+def recorded_content_hash(path: str | os.PathLike) -> str | None:
+    """The content hash a trace file records, read from its footer alone (None for older files);
+    the footer's metadata is checked as on open."""
+    pf = _open_parquet(Path(path))
+    try:
+        _read_meta(pf, str(path))
+        return _recorded_hash(pf, str(path))
+    finally:
+        pf.close()
+
+
+def _recorded_hash(pf: pq.ParquetFile, where: str) -> str | None:
+    value = (pf.metadata.metadata or {}).get(CONTENT_KEY)
+    if value is None:
+        return None
+    text = value.decode("ascii", "replace")
+    if not _HASH.fullmatch(text):
+        raise InputError(f"{where}: metadata '{CONTENT_KEY.decode()}' is {text[:80]!r}, not "
+                         "'sha256:' and 64 hex digits; the file is damaged, re-create or restore it")
+    return text
+
+
+def _open_parquet(path: Path) -> pq.ParquetFile:
+    regular_file(path)
+    try:
+        return pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(
             f"{path}: not a readable Parquet file ({_one_line(exc)}); check the path, or re-create "
@@ -910,6 +1312,10 @@ def _read_meta(pf: pq.ParquetFile, where: str) -> TraceMeta:
             f"{where}: metadata 'moe_trace' is missing (not a moe-trace file); write traces with "
             "moe-trace, the capture tool or traces.format.TraceWriter"
         )
+    recorded = kv.get(META_HASH_KEY)
+    if recorded is not None and hashlib.sha256(kv[META_KEY]).hexdigest().encode() != recorded:
+        raise InputError(f"{where}: metadata 'moe_trace' does not match its recorded SHA-256; the "
+                         "file was changed or damaged after it was written, re-create or restore it")
     return TraceMeta.from_json(kv[META_KEY], where)
 
 
@@ -929,10 +1335,11 @@ def _check_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> list[str]:
             )
     columns = required + [name for name in _TOKEN_COLUMNS if name in schema.names]
     for name in columns:
-        found = schema.field(name).type
-        if _type_name(found) != _type_name(types[name]):
+        found = _type_name(schema.field(name).type)
+        if found != _type_name(types[name]) and not (
+                name == "logits" and found == _type_name(_compact_logits_type(meta))):
             raise InputError(
-                f"{where}: column '{name}' has type {_type_name(found)}, expected "
+                f"{where}: column '{name}' has type {found}, expected "
                 f"{_type_name(types[name])} (top_k {meta.top_k}, num_experts {meta.num_experts}"
                 f"{f', logits_top_r {meta.logits_top_r}' if meta.logits_top_r else ''} from the "
                 "metadata); rewrite the column or fix the metadata"
@@ -973,18 +1380,36 @@ class ArraySource:
     def num_tokens(self) -> int:
         return self.chunk.num_tokens
 
-    def iter_chunks(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
-        """Sub-chunks of at most ``max_tokens`` tokens (a longer group comes whole); None: all."""
-        return (slice_chunk(self.chunk, start, stop) for start, stop, _ in self._plan(max_tokens))
+    def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
+                    order_r: int = 0) -> Iterator[TraceChunk]:
+        """Sub-chunks of at most ``max_tokens`` tokens (a longer group comes whole); None: all.
 
-    def iter_chunks_reversed(self, max_tokens: int | None = None) -> Iterator[TraceChunk]:
+        ``logits`` and ``order_r`` as the reader's (module docstring, *Options*).
+        """
+        return self._chunks(self._plan(max_tokens), logits, order_width(self.meta, order_r))
+
+    def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
+                             order_r: int = 0) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first."""
-        return (slice_chunk(self.chunk, start, stop) for start, stop, _ in self._plan(max_tokens)[::-1])
+        return self._chunks(self._plan(max_tokens)[::-1], logits, order_width(self.meta, order_r))
+
+    def _chunks(self, plan: np.ndarray, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+        for start, stop, _ in plan:
+            c = slice_chunk(self.chunk, int(start), int(stop))
+            if order_r:
+                c.logit_order = logit_order(c.logits, order_r)
+            if not logits:
+                c.logits = self.chunk.logits[:0]
+            yield c
 
     def _plan(self, max_tokens: int | None) -> np.ndarray:
-        group = self.chunk.group
-        starts = np.flatnonzero(np.diff(group, prepend=group[:1] - 1))
-        return plan_chunks([starts], self.num_tokens, max_tokens or max(1, self.num_tokens))
+        return group_plan(self.chunk.group, max_tokens or max(1, self.num_tokens))
+
+
+def group_plan(group: np.ndarray, max_tokens: int) -> np.ndarray:
+    """:func:`plan_chunks` of tokens whose global group ids are ``group`` (int64[T])."""
+    starts = np.flatnonzero(np.diff(group, prepend=group[:1] - 1))
+    return plan_chunks([starts], group.shape[0], max_tokens)
 
 
 def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
@@ -1001,6 +1426,7 @@ def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
         logits=c.logits[start:stop] if c.logits.shape[0] else c.logits,
         residency=c.residency[start:stop] if c.residency.shape[0] else c.residency,
         nll=None if c.nll is None else c.nll[start:stop],
+        logit_order=c.logit_order[start:stop] if c.logit_order.shape[0] else c.logit_order,
     )
 
 
@@ -1008,7 +1434,7 @@ def concat_chunks(chunks: list[TraceChunk]) -> TraceChunk:
     """Consecutive chunks of one trace joined into one (copies)."""
     def join(name: str) -> np.ndarray:
         parts = [getattr(c, name) for c in chunks]
-        if name in ("logits", "residency") and not any(p.shape[0] for p in parts):
+        if name in ("logits", "residency", "logit_order") and not any(p.shape[0] for p in parts):
             return parts[0]
         return np.concatenate(parts)
 

@@ -1,7 +1,15 @@
-"""Views of a trace source: the first N tokens of another source."""
+"""Views of a trace source: the same chunk-source protocol over part of a trace.
+
+Every source (:class:`~traces.format.TraceReader`, :class:`~traces.format.ArraySource`, the
+trace cache's ``CachedTrace``, and the views here) has ``meta``, ``num_tokens`` and re-iterable
+``iter_chunks(max_tokens=None, *, logits=True, order_r=0)`` and ``iter_chunks_reversed`` with
+the same options (traces/format.py, *Options*).
+"""
 from __future__ import annotations
 
-from traces.format import slice_chunk
+from collections.abc import Iterator
+
+from traces.format import TraceChunk, slice_chunk
 
 
 class LimitedSource:
@@ -10,7 +18,7 @@ class LimitedSource:
     def __init__(self, source, max_tokens: int):
         self.source, self.meta, self.max_tokens = source, source.meta, max_tokens
 
-    def _limit(self, chunks):
+    def _limit(self, chunks: Iterator[TraceChunk]) -> Iterator[TraceChunk]:
         left = self.max_tokens
         for c in chunks:
             if left <= 0:
@@ -25,8 +33,12 @@ class LimitedSource:
             yield slice_chunk(c, 0, stop)
             return
 
-    def iter_chunks(self, max_tokens=None):
-        return self._limit(self.source.iter_chunks(max_tokens))
+    def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
+                    order_r: int = 0) -> Iterator[TraceChunk]:
+        """The source's chunks up to the limit (the last one cut after a whole group)."""
+        return self._limit(self.source.iter_chunks(max_tokens, logits=logits, order_r=order_r))
 
-    def iter_chunks_reversed(self, max_tokens=None):
-        return reversed(list(self.iter_chunks(max_tokens)))
+    def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
+                             order_r: int = 0) -> Iterator[TraceChunk]:
+        """The chunks of :meth:`iter_chunks`, last to first."""
+        return reversed(list(self.iter_chunks(max_tokens, logits=logits, order_r=order_r)))

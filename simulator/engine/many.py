@@ -36,7 +36,9 @@ def decoded(source):
         return source
     from simulator.trace_cache import cached_source
 
-    return cached_source(path)
+    cached = cached_source(path)
+    cached.build()  # once, before the threads start: each would otherwise decode on its own
+    return cached
 
 
 def simulate_many(

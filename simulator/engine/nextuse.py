@@ -13,8 +13,9 @@ import numpy as np
 
 from simulator.engine.state import kernel_array
 from simulator.jit import jit
-from simulator.policies.eviction._base import NEVER_GROUP
 from traces.format import TraceChunk, slice_chunk
+
+NEVER_GROUP = 2**31 - 1  # in next-use rows (int32 group ordinals): never selected again
 
 
 @jit(allocates=False)

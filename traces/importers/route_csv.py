@@ -31,18 +31,33 @@ from tqdm import tqdm
 
 from traces.errors import InputError
 from traces.format import (
+    META_BOUNDS,
     PHASE_DECODE,
     TraceChunk,
     TraceMeta,
     TraceWriter,
+    ensure_memory,
     find_problem,
     group_ids,
     make_chunk,
+    regular_file,
 )
 
 MAGIC = "# route_trace v1"
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
 _QUANT = re.compile(r"(?i)[-_.]((?:I?Q\d\w*)|BF16|F16|F32)$")
+SHOWN_CHARS = 200  # of a line quoted in a message
+INT64 = (-(2**63), 2**63 - 1)
+# header fields -> the metadata fields whose bounds they obey
+SHAPE_FIELDS = {"n_layer": "num_layers", "n_expert": "num_experts", "n_expert_used": "top_k"}
+LAYER_FIELDS = {"expert_bytes": "expert_bytes", "dense_bytes": "dense_bytes"}
+ROW_BYTES = 3 * len(COLUMNS) * 8  # a parsed row as int64/float64 columns, sorted, and their copies
+TOKEN_LAYER_RANK_BYTES = 8 + 4 + 1 + 2  # the token arrays: experts (int64, then int16), weights, residency
+
+
+def shown_line(text: str) -> str:
+    """A line quoted for a message: repr, cut to SHOWN_CHARS characters."""
+    return repr(text[:SHOWN_CHARS]) + ("..." if len(text) > SHOWN_CHARS else "")
 
 
 def import_route_csv(src: str | os.PathLike, dst: str | os.PathLike, progress: bool = False) -> TraceMeta:
@@ -63,63 +78,82 @@ def is_route_csv(path: str | os.PathLike) -> bool:
     """Whether the file starts with the route_trace v1 header line."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return f.readline().strip() == MAGIC
+            return f.readline(len(MAGIC) + 2).strip() == MAGIC  # bounded: a file may have no newline
     except OSError:
         return False
 
 
 def read_route_csv(path: str | os.PathLike, progress: bool = False) -> tuple[TraceMeta, dict]:
     """Parse and check a route_trace v1 CSV: (meta, token arrays as TraceWriter.write takes them)."""
-    path = Path(path)
+    path = regular_file(path, "route_trace v1 CSV file")
     where = str(path)
-    if not path.is_file():
-        raise InputError(f"{where}: no such file; check the path")
     header, body_line = _read_header(path, where)
+    most_rows = path.stat().st_size // len("0,0,0,0,0,0,0,0,0\n")  # all rows as short as can be
+    ensure_memory(most_rows * ROW_BYTES, f"reading up to {most_rows:,} rows", where)
     rows = _read_rows(path, where, body_line, progress)
+    if not rows["turn"].size:
+        raise InputError(f"{where}: line {body_line}: no data rows after the column line; the file is "
+                         "empty or truncated, record at least one token")
     return _to_trace(where, header, rows, body_line)
 
 
 def _read_header(path: Path, where: str) -> tuple[dict, int]:
     """Header fields and the line number (1-based) of the first data row."""
     model: dict[str, str] = {}
+    model_line = 0
     layers: dict[int, tuple[int, int]] = {}
     with open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, start=1):
             line = line.rstrip("\r\n")
             if number == 1:
                 if line.strip() != MAGIC:
-                    raise InputError(f"{where}: line 1: expected '{MAGIC}', found {line[:60]!r}; "
+                    raise InputError(f"{where}: line 1: expected '{MAGIC}', found {shown_line(line)}; "
                                      "this importer reads route_trace v1 CSV files")
                 continue
             if not line.startswith("#"):
                 if tuple(c.strip() for c in line.split(",")) != COLUMNS:
                     raise InputError(f"{where}: line {number}: expected the column line "
-                                     f"'{','.join(COLUMNS)}', found {line[:80]!r}; fix the header")
+                                     f"'{','.join(COLUMNS)}', found {shown_line(line)}; fix the header")
                 break
             fields = dict(part.split("=", 1) for part in line[1:].split() if "=" in part)
             if "layer" in fields:
                 try:
                     layer = int(fields["layer"])
-                    layers[layer] = (int(fields["expert_bytes"]), int(fields["dense_bytes"]))
+                    sizes = {name: int(fields[name]) for name in LAYER_FIELDS}
                 except (KeyError, ValueError):
                     raise InputError(f"{where}: line {number}: expected '# layer=N expert_bytes=B "
-                                     f"dense_bytes=D' with integers, found {line[:80]!r}") from None
+                                     f"dense_bytes=D' with integers, found {shown_line(line)}") from None
+                for name, value in sizes.items():
+                    _check_bound(where, f"line {number}", name, value, LAYER_FIELDS[name])
+                layers[layer] = (sizes["expert_bytes"], sizes["dense_bytes"])
             elif "n_layer" in fields:
-                model = fields
+                model, model_line = fields, number
         else:
             raise InputError(f"{where}: the column line '{','.join(COLUMNS)}' is missing; "
                              "the file is truncated or not a route_trace v1 CSV")
     try:
-        shape = {key: int(model[key]) for key in ("n_layer", "n_expert", "n_expert_used")}
+        shape = {key: int(model[key]) for key in SHAPE_FIELDS}
     except (KeyError, ValueError):
         raise InputError(f"{where}: header: the model line needs integer n_layer, n_expert and "
                          "n_expert_used; add '# model=... n_layer=L n_expert=E n_expert_used=K'") from None
+    for key, value in shape.items():  # before anything is sized by them
+        _check_bound(where, f"line {model_line}", key, value, SHAPE_FIELDS[key])
+    if shape["n_expert_used"] > shape["n_expert"]:
+        raise InputError(f"{where}: line {model_line}: n_expert_used={shape['n_expert_used']} exceeds "
+                         f"n_expert={shape['n_expert']}; fix the model line")
     missing = sorted(set(range(shape["n_layer"])) - set(layers))
     if missing:
         raise InputError(f"{where}: header: no '# layer={missing[0]} expert_bytes=... dense_bytes=...' "
                          f"line ({len(missing)} layers lack one); give one per layer")
     header = {**shape, "model": model, "layers": [layers[i] for i in range(shape["n_layer"])]}
     return header, number + 1
+
+
+def _check_bound(where: str, line: str, name: str, value: int, meta_field: str) -> None:
+    low, high, why = META_BOUNDS[meta_field]
+    if not low <= value <= high:
+        side = f"below {low}" if value < low else f"above the cap {high:,} ({why})"
+        raise InputError(f"{where}: {line}: {name}={value} is {side}; fix the header")
 
 
 def _read_rows(path: Path, where: str, body_line: int, progress: bool) -> dict[str, np.ndarray]:
@@ -140,7 +174,7 @@ def _read_rows(path: Path, where: str, body_line: int, progress: bool) -> dict[s
                 bar.update(batch.num_rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise _locate_bad_line(path, where, body_line) or InputError(
-            f"{where}: the rows cannot be parsed ({' '.join(str(exc).split())[:200]}); fix the file"
+            f"{where}: the rows cannot be parsed ({' '.join(str(exc).split())[:SHOWN_CHARS]}); fix the file"
         ) from None
     table = pa.Table.from_batches(batches, schema=reader.schema)
     for name in COLUMNS:
@@ -160,13 +194,16 @@ def _locate_bad_line(path: Path, where: str, body_line: int) -> InputError | Non
             values = line.rstrip("\r\n").split(",")
             if len(values) != len(COLUMNS):
                 return InputError(f"{where}: line {number}: expected {len(COLUMNS)} comma-separated "
-                                  f"values ({','.join(COLUMNS)}), found {len(values)}; fix or remove the line")
+                                  f"values ({','.join(COLUMNS)}), found {len(values)} in "
+                                  f"{shown_line(line.rstrip())}; fix or remove the line")
             for name, value in zip(COLUMNS, values, strict=True):
+                kind = "a number" if name == "weight" else "an integer in the int64 range"
                 try:
-                    float(value) if name == "weight" else int(value)
+                    number_value = float(value.strip('" ')) if name == "weight" else int(value.strip('" '))
                 except ValueError:
-                    kind = "a number" if name == "weight" else "an integer"
-                    return InputError(f"{where}: line {number}: column '{name}' is {value!r}, "
+                    number_value = None
+                if number_value is None or (name != "weight" and not INT64[0] <= number_value <= INT64[1]):
+                    return InputError(f"{where}: line {number}: column '{name}' is {shown_line(value)}, "
                                       f"expected {kind}; fix the line")
     return None
 
@@ -225,6 +262,8 @@ def _to_trace(where: str, header: dict, rows: dict[str, np.ndarray], body_line: 
                          f"{blocks['turn'][b]} step {blocks['step'][b]}; a token is prefill or decode")
 
     num_tokens = first_block.shape[0]
+    ensure_memory(num_tokens * num_layers * (k * TOKEN_LAYER_RANK_BYTES + 9),
+                  f"{num_tokens:,} tokens x {num_layers} layers x {k} experts", where)
     seq = blocks["turn"][first_block].astype(np.int32)
     pos = blocks["step"][first_block].astype(np.int32)
     phase = blocks["phase"][first_block].astype(np.int8)
@@ -287,7 +326,7 @@ def _meta(where: str, header: dict, filled: int, weights: np.ndarray) -> TraceMe
     model_path = model.get("model", "")
     stem = Path(model_path).stem if model_path else Path(where).stem
     quant = _QUANT.search(stem)
-    sums = weights.sum(axis=-1)
+    sums = weights.sum(axis=-1, dtype=np.float64)
     return TraceMeta(
         model=stem,
         num_layers=header["n_layer"],

@@ -4,9 +4,6 @@ from __future__ import annotations
 from simulator.engine.structures import heap_end_trim, heap_victim, make_lists
 from simulator.jit import jit
 
-NEVER_GROUP = 2**31 - 1  # in next-use rows (int32 group ordinals): never selected again
-NEVER_STEP = 2**63 - 1  # next-use step ordinal of an expert that is never selected again
-
 
 def make_pool_lists(params, layout, first_use=None):
     """One linked list per pool over every expert (the state of list-ordered policies)."""

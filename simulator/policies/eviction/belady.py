@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from simulator.engine.nextuse import NEVER_GROUP
 from simulator.engine.structures import (
     Heap,
     heap_push,
@@ -20,8 +21,6 @@ from simulator.engine.structures import (
 )
 from simulator.jit import jit
 from simulator.policies.eviction._base import (
-    NEVER_GROUP,
-    NEVER_STEP,
     ReferenceBase,
     heap_order_hooks,
     ignore_group,
@@ -30,6 +29,7 @@ from simulator.policies.eviction._base import (
 
 on_group, on_rescale = ignore_group, ignore_rescale
 NEEDS_NEXT_USE = True  # the engines run the reverse pre-pass for this policy
+NEVER_STEP = 2**63 - 1  # next-use step ordinal of an expert that is never selected again
 
 
 def next_use_step(next_group, layer, num_layers):
