@@ -607,10 +607,10 @@ def _lookahead_spec(meta: TraceMeta, t: int) -> dict[str, tuple[tuple[int, ...],
     return {name: ((t, meta.num_layers, *shape), dtypes[name]) for name, shape in _lookahead_shapes(meta).items()}
 
 
-def lookahead_missing(meta: TraceMeta) -> np.ndarray:
+def lookahead_missing(num_layers: int, depth: int) -> np.ndarray:
     """bool[L, D]: layer l + d does not exist, so its look-ahead block is the sentinel."""
-    ahead = np.arange(meta.num_layers)[:, None] + np.arange(1, meta.lookahead_depth + 1)[None, :]
-    return ahead >= meta.num_layers
+    ahead = np.arange(num_layers)[:, None] + np.arange(1, depth + 1)[None, :]
+    return ahead >= num_layers
 
 
 def _lookahead_problem(meta: TraceMeta, cols: dict[str, np.ndarray], first) -> Problem | None:
@@ -622,7 +622,7 @@ def _lookahead_problem(meta: TraceMeta, cols: dict[str, np.ndarray], first) -> P
     if logits is None:
         return None
     ids = cols.get("lookahead_ids")
-    missing = lookahead_missing(meta)[None]  # (1, L, D)
+    missing = lookahead_missing(meta.num_layers, meta.lookahead_depth)[None]  # (1, L, D)
     sentinel = "write logits -inf and ids -1 where layer l + d does not exist"
     checks = [  # (column, bad (T, L, D), what, fix), in the order they are reported
         ("lookahead_logits", lambda: np.isnan(logits).any(axis=-1), "look-ahead logits contain NaN",
@@ -663,7 +663,7 @@ def _decoded_lookahead(meta: TraceMeta, logits: np.ndarray, ids: np.ndarray | No
     values = logits.astype(np.float32)
     order = np.argsort(-values, axis=-1, kind="stable")  # ties: the lower id first
     ids = order.astype(np.int32)
-    ids[:, lookahead_missing(meta)] = LOOKAHEAD_NO_LAYER
+    ids[:, lookahead_missing(meta.num_layers, meta.lookahead_depth)] = LOOKAHEAD_NO_LAYER
     return ids, np.take_along_axis(values, order, axis=-1)
 
 
