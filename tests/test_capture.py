@@ -483,3 +483,54 @@ def test_lookahead_settings_are_checked_before_the_model_runs():
                        ({"logits": "none"}, "lookahead.logits=none"), ({"logits": "top:0"}, "lookahead.logits")]:
         with pytest.raises(InputError, match=words):
             storage(**bad)
+
+
+def _tiny_model_dir(tmp_path) -> Path:
+    tiny_config("qwen3_moe").save_pretrained(tmp_path / "m")
+    _tiny_tokenizer(tmp_path / "m")
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 8)
+    return tmp_path / "m" / "config.json"
+
+
+def test_plain_capture_command_takes_moe_captures_overrides(tmp_path, capsys):
+    """python -m traces.capture: the GPU hosts' path without Hydra, same override names."""
+    from traces.capture.__main__ import main
+    from traces.format import read_trace
+
+    config = _tiny_model_dir(tmp_path)
+    summary, out = tmp_path / "run" / "capture.json", tmp_path / "t.parquet"
+    common = [f"model.config={config}", "model.dtype=float32", "model.device=cpu", f"input.paths=[{tmp_path / 'a.txt'}]",
+              "input.window_tokens=40", "batch_size=2", "progress=false", f"out={out}"]
+    main([f"--summary={summary}", *common, "lookahead.enabled=true", "lookahead.logits=top:3", "logits=top:4"])
+    stats = json.loads(summary.read_text())
+    meta, chunk = read_trace(out)
+    assert stats["tokens"] == chunk.num_tokens == 352 and stats["path"] == str(out)
+    assert (meta.logits_top_r, meta.lookahead_depth, meta.lookahead_top_r) == (4, 1, 3)
+    assert capsys.readouterr().out.startswith("moe-capture: 352 tokens x 2 MoE layers")
+    for bad, words in [("batch_sise=3", "'batch_sise=3' is not key=value"), ("lookahead.depth=x", "is not a valid int"),
+                       ("lookahead=3", "is not key=value"), ("force=yes", "force=yes is not a valid bool")]:
+        with pytest.raises(SystemExit) as exc:
+            main([*common, "force=true", bad])
+        assert exc.value.code == EXIT_INPUT_ERROR
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+
+def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys):
+    from traces.capture import bench
+
+    config = _tiny_model_dir(tmp_path)
+    out = tmp_path / "bench.json"
+    bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
+                "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
+                "--lookahead-depth", "1", "--writers", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["batch_size"] for r in result["runs"]] == [1, 4] and result["device"] == "cpu"
+    for r in result["runs"]:
+        assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x") and r["writers"] == 2
+        assert r["tokens"] == 200
+        expected = 100 * (r["forward_tokens_per_s"] / r["capture_tokens_per_s"] - 1)
+        assert abs(r["capture_overhead_pct"] - expected) < 1.0
+        assert 0 <= r["writer_wait_pct"] <= 100
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
+    assert len(table) == 2 and table[1].split("|")[3].strip() == "4"
