@@ -543,10 +543,15 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
     if not out.parent.is_dir():
         out.parent.mkdir(parents=True)
     remove_orphans(out.parent)  # unit files of a capture that was killed
+    start = time.perf_counter()
     with open_writer(out, meta, cfg.writers) as writer, _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
                                 probs)
+    seconds = time.perf_counter() - start  # end to end: the last units encoded and joined too
     stats.update(
+        seconds=seconds,
+        tokens_per_s=stats["tokens"] / max(seconds, 1e-9),
+        writers=writer.workers,
         path=str(out),
         bytes=out.stat().st_size,
         sequences=len(windows),
