@@ -172,3 +172,20 @@ def test_second_fixture_build_runs_end_to_end_on_the_cpu(tmp_path):
         assert [run["batch_size"] for run in runs] == [1, 2]
     card = (tmp_path / "README.md").read_text()
     assert f"{chunk.num_tokens:,} tokens" in card and "Capture overhead" in card and "+nan" not in card
+
+
+def test_gpu_host_entry_points_need_neither_polars_nor_hydra():
+    """The H200 host has neither: the build scripts' modules must import without them."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('polars', 'hydra', 'omegaconf'):\n"
+        "            raise ImportError(f'{name} is not on the GPU host')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import traces.capture.__main__, traces.capture.bench, traces.capture.capture\n"
+        "import traces.fixtures.train_fixture, traces.fixtures.fixture2, traces.fixtures.card\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
