@@ -3,190 +3,152 @@
 A Parquet file is ``PAR1``, the row groups' encoded column chunks, the footer (a Thrift
 compact-protocol ``FileMetaData``), the footer's length and ``PAR1`` again. Encoded pages hold no
 file offsets; only the footer does. So files written by separate writers can be joined without
-decoding or encoding anything: copy each file's bytes between the magic and its footer, and
-write one footer holding every file's row groups with their offsets shifted to where the bytes
-landed. This is what lets the capture encode row groups on several threads (each a file of its
-own) and still produce one ordinary trace file.
+decoding or encoding any data: copy each file's bytes between the magic and its footer, and write
+one footer holding every file's row groups with their offsets shifted to where the bytes landed.
+This is what lets the capture encode row groups on several threads (each a file of its own) and
+still produce one ordinary trace file.
 
-The footer is read and written by a small generic Thrift compact-protocol codec that keeps
-every field it does not know, so nothing a newer writer adds is lost.
+The footer is not decoded either: compact-protocol structs and lists carry no byte lengths, so a
+footer's bytes are copied as they are and only the varints that hold offsets (and row-group
+ordinals) are written anew. :func:`_scan` walks a footer once to find those varints.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from traces.atomic import atomic_output
 
 MAGIC = b"PAR1"
 # Thrift compact-protocol type codes
-_STOP, _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(13)
-_INTS = (_I16, _I32, _I64)
+_TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(1, 13)
+_MAX_ORDINAL = 2**15 - 1  # RowGroup.ordinal is an i16; beyond it the ordinals are left as they are
 
-# Parquet footer field ids (parquet.thrift)
+# Where the offsets are (parquet.thrift field ids): FileMetaData.row_groups -> RowGroup.file_offset
+# and RowGroup.columns -> ColumnChunk.file_offset / offset and column index offsets, and
+# ColumnChunk.meta_data -> ColumnMetaData's data, index and dictionary page and bloom filter offsets.
+_COLUMN_META = {9: "offset", 10: "offset", 11: "offset", 14: "offset"}
+_COLUMN_CHUNK = {2: "offset", 3: _COLUMN_META, 4: "offset", 6: "offset"}
+_ROW_GROUP = {1: [_COLUMN_CHUNK], 5: "offset", 7: "ordinal"}
 _FILE_NUM_ROWS, _FILE_ROW_GROUPS = 3, 4
-_GROUP_COLUMNS, _GROUP_FILE_OFFSET, _GROUP_ORDINAL = 1, 5, 7
-_CHUNK_FILE_OFFSET, _CHUNK_META, _CHUNK_OFFSET_INDEX, _CHUNK_COLUMN_INDEX = 2, 3, 4, 6
-# ColumnMetaData: data, index, dictionary page and bloom filter offsets
-_COLUMN_OFFSETS = (9, 10, 11, 14)
-_MAX_ORDINAL = 2**15 - 1  # ordinal is an i16; beyond it the optional field is left out
 
 
-class _Decoder:
-    """Reads Thrift compact-protocol values: structs become lists of [field id, type, value]."""
+@dataclass
+class Footer:
+    """A footer's bytes and the varints in them to rewrite."""
 
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def byte(self) -> int:
-        b = self.data[self.pos]
-        self.pos += 1
-        return b
-
-    def varint(self) -> int:
-        shift = result = 0
-        while True:
-            b = self.byte()
-            result |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return result
-
-    def zigzag(self) -> int:
-        n = self.varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def value(self, kind: int):
-        if kind in (_TRUE, _FALSE):  # a struct field's bool lives in its type code
-            return kind == _TRUE
-        if kind == _BYTE:
-            return self.byte()
-        if kind in _INTS:
-            return self.zigzag()
-        if kind in (_DOUBLE, _BINARY):
-            size = 8 if kind == _DOUBLE else self.varint()
-            self.pos += size
-            return self.data[self.pos - size:self.pos]
-        if kind in (_LIST, _SET):
-            head = self.byte()
-            size, element = head >> 4, head & 0x0F
-            if size == 15:
-                size = self.varint()
-            return element, [self.element(element) for _ in range(size)]
-        if kind == _MAP:
-            size = self.varint()
-            types = self.byte() if size else 0
-            return types, [(self.element(types >> 4), self.element(types & 0x0F)) for _ in range(size)]
-        if kind == _STRUCT:
-            return self.struct()
-        raise ValueError(f"unknown Thrift compact type {kind}")
-
-    def element(self, kind: int):
-        """A list, set or map element: bools are a whole byte there."""
-        return self.byte() if kind in (_TRUE, _FALSE) else self.value(kind)
-
-    def struct(self) -> list[list]:
-        fields, last = [], 0
-        while (head := self.byte()) != _STOP:
-            kind, delta = head & 0x0F, head >> 4
-            last = last + delta if delta else self.zigzag()
-            fields.append([last, kind, self.value(kind)])
-        return fields
+    data: bytes
+    fields: list[tuple[int, int, int]] = field(default_factory=list)  # top level: (id, start, value start)
+    holes: list[tuple[int, int, str, int]] = field(default_factory=list)  # (start, end, kind, value)
+    num_rows: int = 0
+    row_groups: tuple[int, int, int] = (0, 0, 0)  # (count, first group's start, end of the list)
 
 
-class _Encoder:
-    """Writes what :class:`_Decoder` reads."""
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return result, pos
 
-    def __init__(self):
-        self.out = bytearray()
 
-    def varint(self, n: int) -> None:
-        while n > 0x7F:
-            self.out.append((n & 0x7F) | 0x80)
-            n >>= 7
-        self.out.append(n)
+def _zigzag(data: bytes, pos: int) -> tuple[int, int]:
+    n, pos = _varint(data, pos)
+    return (n >> 1) ^ -(n & 1), pos
 
-    def zigzag(self, n: int) -> None:
-        self.varint((n << 1) ^ (n >> 63))
 
-    def value(self, kind: int, value) -> None:
-        if kind in (_TRUE, _FALSE):
-            return
-        if kind == _BYTE:
-            self.out.append(value)
-        elif kind in _INTS:
-            self.zigzag(value)
-        elif kind in (_DOUBLE, _BINARY):
-            if kind == _BINARY:
-                self.varint(len(value))
-            self.out += value
-        elif kind in (_LIST, _SET):
-            element, items = value
-            if len(items) < 15:
-                self.out.append(len(items) << 4 | element)
-            else:
-                self.out.append(0xF0 | element)
-                self.varint(len(items))
-            for item in items:
-                self.element(element, item)
-        elif kind == _MAP:
-            types, items = value
-            self.varint(len(items))
-            if items:
-                self.out.append(types)
-            for key, item in items:
-                self.element(types >> 4, key)
-                self.element(types & 0x0F, item)
-        elif kind == _STRUCT:
-            self.struct(value)
+def _list_header(data: bytes, pos: int) -> tuple[int, int, int]:
+    """(element count, element type, position after the header)."""
+    head = data[pos]
+    size, kind, pos = head >> 4, head & 0x0F, pos + 1
+    if size == 15:
+        size, pos = _varint(data, pos)
+    return size, kind, pos
+
+
+def _skip(data: bytes, pos: int, kind: int) -> int:
+    """The position after a value of ``kind`` that starts at ``pos``."""
+    if kind in (_TRUE, _FALSE, _BYTE):  # in a list a bool is one byte; as a field it has none
+        return pos + 1
+    if kind in (_I16, _I32, _I64):
+        return _varint(data, pos)[1]
+    if kind == _DOUBLE:
+        return pos + 8
+    if kind == _BINARY:
+        size, pos = _varint(data, pos)
+        return pos + size
+    if kind in (_LIST, _SET):
+        size, element, pos = _list_header(data, pos)
+        for _ in range(size):
+            pos = _skip(data, pos, element)
+        return pos
+    if kind == _MAP:
+        size, pos = _varint(data, pos)
+        if size:
+            types, pos = data[pos], pos + 1
+            for _ in range(size):
+                pos = _skip(data, _skip(data, pos, types >> 4), types & 0x0F)
+        return pos
+    if kind == _STRUCT:
+        return _scan(data, pos, {}, [])
+    raise ValueError(f"unknown Thrift compact type {kind}")
+
+
+def _scan(data: bytes, pos: int, spec: dict, holes: list, top: list | None = None) -> int:
+    """Walk the struct at ``pos``; note the varints ``spec`` names in ``holes``; return its end.
+
+    ``spec`` maps a field id to "offset" / "ordinal" (an integer to rewrite), a nested spec (a
+    struct) or a one-element list of one (a list of structs). ``top`` collects (field id, header
+    start, value start) of every field.
+    """
+    last = 0
+    while (head := data[pos]) != 0:
+        start = pos
+        kind, delta = head & 0x0F, head >> 4
+        pos += 1
+        if delta:
+            last += delta
         else:
-            raise ValueError(f"unknown Thrift compact type {kind}")
-
-    def element(self, kind: int, value) -> None:
-        if kind in (_TRUE, _FALSE):
-            self.out.append(value)
+            last, pos = _zigzag(data, pos)
+        if top is not None:
+            top.append((last, start, pos))
+        if kind in (_TRUE, _FALSE):  # a field's bool lives in its type code
+            continue
+        want = spec.get(last)
+        if isinstance(want, str):
+            value, end = _zigzag(data, pos)
+            holes.append((pos, end, want, value))
+            pos = end
+        elif isinstance(want, dict):
+            pos = _scan(data, pos, want, holes)
+        elif isinstance(want, list):
+            size, _, pos = _list_header(data, pos)
+            for _ in range(size):
+                pos = _scan(data, pos, want[0], holes)
         else:
-            self.value(kind, value)
-
-    def struct(self, fields: list[list]) -> None:
-        last = 0
-        for field_id, kind, value in fields:
-            if kind in (_TRUE, _FALSE):
-                kind = _TRUE if value else _FALSE
-            if 0 < field_id - last <= 15:
-                self.out.append((field_id - last) << 4 | kind)
-            else:
-                self.out.append(kind)
-                self.zigzag(field_id)
-            last = field_id
-            self.value(kind, value)
-        self.out.append(_STOP)
+            pos = _skip(data, pos, kind)
+    return pos + 1
 
 
-def decode_struct(data: bytes) -> list[list]:
-    """A Thrift compact-protocol struct as nested [field id, type, value] lists."""
-    return _Decoder(data).struct()
+def parse_footer(data: bytes) -> Footer:
+    """Find, in a FileMetaData's bytes, the row count, the row groups and the varints to shift."""
+    footer = Footer(data)
+    _scan(data, 0, {_FILE_ROW_GROUPS: [_ROW_GROUP]}, footer.holes, footer.fields)
+    for i, (field_id, _, value) in enumerate(footer.fields):
+        if field_id == _FILE_NUM_ROWS:
+            footer.num_rows = _zigzag(data, value)[0]
+        elif field_id == _FILE_ROW_GROUPS:
+            count, _, first = _list_header(data, value)
+            end = footer.fields[i + 1][1] if i + 1 < len(footer.fields) else len(data) - 1
+            footer.row_groups = (count, first, end)
+    return footer
 
 
-def encode_struct(fields: list[list]) -> bytes:
-    """The bytes of a struct from :func:`decode_struct` (after changes)."""
-    encoder = _Encoder()
-    encoder.struct(fields)
-    return bytes(encoder.out)
-
-
-def _field(fields: list[list], field_id: int) -> list | None:
-    return next((f for f in fields if f[0] == field_id), None)
-
-
-def _shift(fields: list[list], field_ids, delta: int) -> None:
-    for field_id in field_ids:
-        f = _field(fields, field_id)
-        if f is not None:
-            f[2] += delta
-
-
-def read_footer(path: Path) -> tuple[list[list], int]:
-    """(the decoded FileMetaData, the byte offset where it starts) of a Parquet file."""
+def read_footer(path: Path) -> tuple[Footer, int]:
+    """(the parsed footer, the byte offset where it starts) of a Parquet file."""
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(4)
@@ -197,45 +159,92 @@ def read_footer(path: Path) -> tuple[list[list], int]:
         length = int.from_bytes(tail[:4], "little")
         start = size - 8 - length
         f.seek(start)
-        return decode_struct(f.read(length)), start
+        return parse_footer(f.read(length)), start
 
 
-def concat_parquet(parts: list[Path], out: Path) -> None:
+def _row_groups(footer: Footer, delta: int, first_ordinal: int) -> bytes:
+    """The footer's row-group structs, offsets shifted by ``delta``, ordinals from ``first_ordinal``."""
+    _, pos, end = footer.row_groups
+    out = bytearray()
+    ordinal = first_ordinal
+    for start, stop, kind, value in footer.holes:
+        out += footer.data[pos:start]
+        if kind == "offset":
+            value += delta
+        elif first_ordinal + footer.row_groups[0] - 1 <= _MAX_ORDINAL:
+            value, ordinal = ordinal, ordinal + 1
+        out += _encode_zigzag(value)
+        pos = stop
+    out += footer.data[pos:end]
+    return bytes(out)
+
+
+def _list_header_bytes(count: int, kind: int) -> bytes:
+    return bytes([count << 4 | kind]) if count < 15 else bytes([0xF0 | kind]) + _unsigned(count)
+
+
+def _joined_footer(first: Footer, groups: bytes, count: int, num_rows: int) -> bytes:
+    """The first part's footer with the joined row groups and row count; every other field as it was."""
+    data, fields = first.data, first.fields
+    out = bytearray()
+    for i, (field_id, start, value) in enumerate(fields):
+        end = fields[i + 1][1] if i + 1 < len(fields) else len(data) - 1  # the last field ends at STOP
+        if field_id == _FILE_NUM_ROWS:
+            out += data[start:value] + _encode_zigzag(num_rows)
+        elif field_id == _FILE_ROW_GROUPS:
+            out += data[start:value] + _list_header_bytes(count, _STRUCT) + groups
+        else:
+            out += data[start:end]
+    out.append(0)  # STOP
+    return bytes(out)
+
+
+def concat_parquet(parts: list[Path], out: Path, footers: list[tuple[Footer, int]] | None = None) -> None:
     """Write ``out`` (atomically): the row groups of ``parts``, in order, bytes copied as they are.
 
     Every part must have the same schema and key-value metadata (the first part's are kept).
+    ``footers``: the parts' :func:`read_footer` results, when the caller read them already.
     """
-    footers = [read_footer(p) for p in parts]
+    footers = footers or [read_footer(p) for p in parts]
     first = footers[0][0]
-    row_groups: list = []
-    num_rows = 0
+    same = _unchanged_fields(first)
+    groups, count, num_rows = bytearray(), 0, 0
     with atomic_output(out) as tmp, tmp.open("wb") as dst:
         dst.write(MAGIC)
         for path, (footer, start) in zip(parts, footers, strict=True):
-            if _field(footer, 2) != _field(first, 2) or _field(footer, 5) != _field(first, 5):
+            if _unchanged_fields(footer) != same:
                 raise ValueError(f"{path}: schema or metadata differs from {parts[0]}")
             delta = dst.tell() - len(MAGIC)  # where this part's bytes land, relative to where they were
             with path.open("rb") as src:  # a part is about one row group: read it whole
                 src.seek(len(MAGIC))
                 dst.write(src.read(start - len(MAGIC)))
-            for group in _field(footer, _FILE_ROW_GROUPS)[2][1]:
-                _shift(group, (_GROUP_FILE_OFFSET,), delta)
-                for chunk in _field(group, _GROUP_COLUMNS)[2][1]:
-                    _shift(chunk, (_CHUNK_FILE_OFFSET, _CHUNK_OFFSET_INDEX, _CHUNK_COLUMN_INDEX), delta)
-                    meta = _field(chunk, _CHUNK_META)
-                    if meta is not None:
-                        _shift(meta[2], _COLUMN_OFFSETS, delta)
-                ordinal = _field(group, _GROUP_ORDINAL)
-                if ordinal is not None:
-                    if len(row_groups) > _MAX_ORDINAL:
-                        group.remove(ordinal)
-                    else:
-                        ordinal[2] = len(row_groups)
-                row_groups.append(group)
-            num_rows += _field(footer, _FILE_NUM_ROWS)[2]
-        _field(first, _FILE_NUM_ROWS)[2] = num_rows
-        _field(first, _FILE_ROW_GROUPS)[2] = (_STRUCT, row_groups)
-        footer = encode_struct(first)
-        dst.write(footer)
-        dst.write(len(footer).to_bytes(4, "little"))
+            groups += _row_groups(footer, delta, count)
+            count += footer.row_groups[0]
+            num_rows += footer.num_rows
+        joined = _joined_footer(first, bytes(groups), count, num_rows)
+        dst.write(joined)
+        dst.write(len(joined).to_bytes(4, "little"))
         dst.write(MAGIC)
+
+
+def _unchanged_fields(footer: Footer) -> bytes:
+    """The footer's bytes outside the row groups and the row count: schema, metadata, writer."""
+    data, pieces = footer.data, []
+    for i, (field_id, start, _) in enumerate(footer.fields):
+        end = footer.fields[i + 1][1] if i + 1 < len(footer.fields) else len(data)
+        if field_id not in (_FILE_NUM_ROWS, _FILE_ROW_GROUPS):
+            pieces.append(data[start:end])
+    return b"".join(pieces)
+
+
+def _unsigned(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _encode_zigzag(n: int) -> bytes:
+    return _unsigned((n << 1) ^ (n >> 63))

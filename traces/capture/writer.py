@@ -5,7 +5,8 @@ Parquet encoding runs inside pyarrow without the GIL, but one file is written by
 group; worker threads write each unit as a trace file of its own with
 :class:`traces.format.TraceWriter` (so every unit is checked and encoded exactly as a single
 writer would do it), and :meth:`ParallelTraceWriter.close` joins the units' row groups in order
-into one file without decoding or encoding them again (:func:`traces.capture.concat.concat_parquet`).
+into one file without decoding or encoding them again (:func:`traces.capture.concat.concat_parquet`);
+each unit's footer is read by its worker as soon as it is written, so little is left for the end.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from traces.atomic import temp_path
-from traces.capture.concat import concat_parquet
+from traces.capture.concat import concat_parquet, read_footer
 from traces.errors import InputError
 from traces.format import TraceMeta, TraceWriter
 
@@ -55,6 +56,7 @@ class ParallelTraceWriter:
         self._pending_tokens = 0
         self._units: queue.Queue = queue.Queue(maxsize=2 * self.workers)
         self._parts: dict[int, Path] = {}  # unit index -> its file, once written
+        self._footers: dict[int, tuple] = {}  # unit index -> its parsed footer
         self._queued = 0
         self._error: BaseException | None = None
         self._cancelled = False  # workers skip what is still queued
@@ -101,6 +103,7 @@ class ParallelTraceWriter:
                 with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens) as writer:
                     writer.write(**cols)
                 self._parts[index] = part
+                self._footers[index] = read_footer(part)
             except InputError as e:  # bad rows: name the file the caller asked for
                 self._error = InputError(str(e).replace(str(part), str(self.path)))
             except BaseException as e:  # re-raised in the writing thread
@@ -130,7 +133,8 @@ class ParallelTraceWriter:
             if not self._queued:
                 TraceWriter(self.path, self.meta).close()  # an empty trace: the schema alone
             else:
-                concat_parquet([self._parts[i] for i in range(self._queued)], self.path)
+                units = range(self._queued)
+                concat_parquet([self._parts[i] for i in units], self.path, [self._footers[i] for i in units])
         finally:
             self._remove_parts()
 
@@ -148,6 +152,7 @@ class ParallelTraceWriter:
         for part in self._parts.values():
             part.unlink(missing_ok=True)
         self._parts.clear()
+        self._footers.clear()
 
     def __enter__(self) -> ParallelTraceWriter:
         return self
