@@ -18,8 +18,6 @@ residency       fixed_size_list<int8>[k]           optional: 1 = was resident wh
 token_id        int32                              optional: vocabulary id of the token
 domain          int16                              optional: index into meta.domains
 nll             float32                            optional: teacher-forced NLL of the token (nats)
-lookahead_logits  fixed_size_list<float16>[D*R]    optional: routers of layers l+1..l+D at layer l
-lookahead_ids   fixed_size_list<int16>[D*R]        with top-R look-ahead: the expert id of each
 ==============  =================================  ===========================================
 
 ``logits`` is present exactly when ``meta.has_logits``, ``residency`` exactly when
@@ -34,11 +32,17 @@ experts outside the R: such an expert ranks below every expert inside them, and 
 themselves they tie (the simulator breaks ties by lower expert id). The key is left out of the
 JSON when 0 (all E logits), so such files read as before.
 
-*Look-ahead routing* (``meta.lookahead_depth = D > 0``, schema version 2): for each token and
-MoE layer l, the logits that the routers of MoE layers l+1 .. l+D give for a hidden state of
-layer l (which one: ``meta.lookahead_source``, e.g. ``moe_input``, the input of layer l's MoE
-block: the "stale gate"). ``lookahead_logits`` holds D blocks, distance 1 first; each block is
-the R highest logits, descending (ties: the lower id first), with their ids in
+*Look-ahead routing* (``meta.lookahead_depth = D > 0``, schema version 2), two optional columns:
+
+================  ====================================  ==========================================
+lookahead_logits  fixed_size_list<float16>[D*R or D*E]  routers of layers l+1..l+D at layer l
+lookahead_ids     fixed_size_list<int16>[D*R]           with top-R look-ahead: each logit's expert
+================  ====================================  ==========================================
+
+For each token and MoE layer l, the logits that the routers of MoE layers l+1 .. l+D give for a
+hidden state of layer l (which one: ``meta.lookahead_source``, e.g. ``moe_input``, the input of
+layer l's MoE block: the "stale gate"). ``lookahead_logits`` holds D blocks, distance 1 first;
+each block is the R highest logits, descending (ties: the lower id first), with their ids in
 ``lookahead_ids`` (``meta.lookahead_top_r = R``), or all E logits in expert order without ids
 (``lookahead_top_r`` 0). Where layer l+d does not exist (the last D layers) the block is the
 sentinel: logits ``-inf`` and ids -1. Decoded chunks carry ``lookahead_ids`` and
