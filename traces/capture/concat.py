@@ -199,32 +199,50 @@ def _joined_footer(first: Footer, groups: bytes, count: int, num_rows: int) -> b
     return bytes(out)
 
 
-def concat_parquet(parts: list[Path], out: Path, footers: list[tuple[Footer, int]] | None = None) -> None:
-    """Write ``out`` (atomically): the row groups of ``parts``, in order, bytes copied as they are.
+class ParquetJoin:
+    """One Parquet file built from parts appended in order: their bytes copied, their footers merged.
 
-    Every part must have the same schema and key-value metadata (the first part's are kept).
-    ``footers``: the parts' :func:`read_footer` results, when the caller read them already.
+    ``f`` is the output, open for binary writing at its start. Every part must have the same
+    schema and key-value metadata (the first part's are kept).
     """
-    footers = footers or [read_footer(p) for p in parts]
-    first = footers[0][0]
-    same = _unchanged_fields(first)
-    groups, count, num_rows = bytearray(), 0, 0
-    with atomic_output(out) as tmp, tmp.open("wb") as dst:
-        dst.write(MAGIC)
-        for path, (footer, start) in zip(parts, footers, strict=True):
-            if _unchanged_fields(footer) != same:
-                raise ValueError(f"{path}: schema or metadata differs from {parts[0]}")
-            delta = dst.tell() - len(MAGIC)  # where this part's bytes land, relative to where they were
-            with path.open("rb") as src:  # a part is about one row group: read it whole
-                src.seek(len(MAGIC))
-                dst.write(src.read(start - len(MAGIC)))
-            groups += _row_groups(footer, delta, count)
-            count += footer.row_groups[0]
-            num_rows += footer.num_rows
-        joined = _joined_footer(first, bytes(groups), count, num_rows)
-        dst.write(joined)
-        dst.write(len(joined).to_bytes(4, "little"))
-        dst.write(MAGIC)
+
+    def __init__(self, f):
+        self.f = f
+        self.f.write(MAGIC)
+        self._first: Footer | None = None
+        self._same = b""
+        self._groups = bytearray()
+        self._count = self._num_rows = 0
+
+    def append(self, path: Path, footer: Footer, start: int) -> None:
+        """Copy the row groups of the part at ``path`` (``footer`` and ``start`` from :func:`read_footer`)."""
+        if self._first is None:
+            self._first, self._same = footer, _unchanged_fields(footer)
+        elif _unchanged_fields(footer) != self._same:
+            raise ValueError(f"{path}: schema or metadata differs from the first part")
+        delta = self.f.tell() - len(MAGIC)  # where this part's bytes land, relative to where they were
+        with path.open("rb") as src:  # a part is about one row group: read it whole
+            src.seek(len(MAGIC))
+            self.f.write(src.read(start - len(MAGIC)))
+        self._groups += _row_groups(footer, delta, self._count)
+        self._count += footer.row_groups[0]
+        self._num_rows += footer.num_rows
+
+    def finish(self) -> None:
+        """Write the merged footer; the file is complete."""
+        joined = _joined_footer(self._first, bytes(self._groups), self._count, self._num_rows)
+        self.f.write(joined)
+        self.f.write(len(joined).to_bytes(4, "little"))
+        self.f.write(MAGIC)
+
+
+def concat_parquet(parts: list[Path], out: Path) -> None:
+    """Write ``out`` (atomically): the row groups of ``parts``, in order, bytes copied as they are."""
+    with atomic_output(out) as tmp, tmp.open("wb") as f:
+        join = ParquetJoin(f)
+        for part in parts:
+            join.append(part, *read_footer(part))
+        join.finish()
 
 
 def _unchanged_fields(footer: Footer) -> bytes:

@@ -4,9 +4,10 @@ Parquet encoding runs inside pyarrow without the GIL, but one file is written by
 :class:`ParallelTraceWriter` cuts the stream of recorded tokens into *units* of about one row
 group; worker threads write each unit as a trace file of its own with
 :class:`traces.format.TraceWriter` (so every unit is checked and encoded exactly as a single
-writer would do it), and :meth:`ParallelTraceWriter.close` joins the units' row groups in order
-into one file without decoding or encoding them again (:func:`traces.capture.concat.concat_parquet`);
-each unit's footer is read by its worker as soon as it is written, so little is left for the end.
+writer would do it), and the unit files are appended to the output in order as soon as all
+earlier ones are done, their bytes copied and their footers merged
+(:class:`traces.capture.concat.ParquetJoin`: nothing is decoded or encoded twice). What is left
+for :meth:`ParallelTraceWriter.close` is the last units and the footer.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from traces.atomic import temp_path
-from traces.capture.concat import concat_parquet, read_footer
+from traces.capture.concat import ParquetJoin, read_footer
 from traces.errors import InputError
 from traces.format import TraceMeta, TraceWriter
 
@@ -36,9 +37,9 @@ class ParallelTraceWriter:
     ``write`` takes what ``TraceWriter.write`` takes, from one thread, in trace order. Tokens are
     cut into units of ``unit_tokens`` (each becomes one row group) and queued to ``workers``
     threads; the queue is bounded, so a caller faster than the encoders waits in ``write``.
-    Units are written as hidden files beside ``path``; ``close`` joins them into ``path``
-    atomically. An exception inside the ``with`` block, or in a worker, leaves no file at
-    ``path`` and no unit files.
+    Units and the growing output are hidden files beside ``path``, which the output replaces
+    when ``close`` completes it. An exception inside the ``with`` block, or in a worker, leaves
+    no file at ``path`` and no hidden files.
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None):
@@ -55,8 +56,12 @@ class ParallelTraceWriter:
         self._pending: list[dict[str, np.ndarray]] = []
         self._pending_tokens = 0
         self._units: queue.Queue = queue.Queue(maxsize=2 * self.workers)
-        self._parts: dict[int, Path] = {}  # unit index -> its file, once written
-        self._footers: dict[int, tuple] = {}  # unit index -> its parsed footer
+        self._tmp = temp_path(self.path)  # the output while it grows
+        self._file = None
+        self._join: ParquetJoin | None = None
+        self._lock = threading.Lock()  # appends to the output, in unit order
+        self._finished: dict[int, tuple] = {}  # unit index -> (file, footer, start), waiting for earlier units
+        self._appended = 0
         self._queued = 0
         self._error: BaseException | None = None
         self._cancelled = False  # workers skip what is still queued
@@ -102,12 +107,24 @@ class ParallelTraceWriter:
             try:
                 with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens) as writer:
                     writer.write(**cols)
-                self._parts[index] = part
-                self._footers[index] = read_footer(part)
+                self._append_in_order(index, part, *read_footer(part))
             except InputError as e:  # bad rows: name the file the caller asked for
                 self._error = InputError(str(e).replace(str(part), str(self.path)))
             except BaseException as e:  # re-raised in the writing thread
                 self._error = e
+
+    def _append_in_order(self, index: int, part: Path, footer, start: int) -> None:
+        """Append every finished unit that comes next (the thread that finishes one does it)."""
+        with self._lock:
+            self._finished[index] = (part, footer, start)
+            while self._appended in self._finished:
+                part, footer, start = self._finished.pop(self._appended)
+                if self._join is None:
+                    self._file = self._tmp.open("wb")
+                    self._join = ParquetJoin(self._file)
+                self._join.append(part, footer, start)
+                part.unlink()
+                self._appended += 1
 
     def _stop_workers(self) -> None:
         for _ in self._threads:
@@ -120,7 +137,7 @@ class ParallelTraceWriter:
             raise self._error
 
     def close(self) -> None:
-        """Encode what is pending, join the units into ``path`` and remove them."""
+        """Encode what is pending, finish the output and move it to ``path``."""
         if self._closed:
             return
         self._closed = True
@@ -133,10 +150,11 @@ class ParallelTraceWriter:
             if not self._queued:
                 TraceWriter(self.path, self.meta).close()  # an empty trace: the schema alone
             else:
-                units = range(self._queued)
-                concat_parquet([self._parts[i] for i in units], self.path, [self._footers[i] for i in units])
+                self._join.finish()
+                self._file.close()
+                os.replace(self._tmp, self.path)
         finally:
-            self._remove_parts()
+            self._remove_files()
 
     def abort(self) -> None:
         """Drop everything written; ``path`` is left as it was."""
@@ -146,13 +164,16 @@ class ParallelTraceWriter:
         self._pending = []
         self._cancelled = True
         self._stop_workers()
-        self._remove_parts()
+        self._remove_files()
 
-    def _remove_parts(self) -> None:
-        for part in self._parts.values():
+    def _remove_files(self) -> None:
+        """Remove the hidden files: units not appended, and the output unless it was moved to ``path``."""
+        for part, _, _ in self._finished.values():
             part.unlink(missing_ok=True)
-        self._parts.clear()
-        self._footers.clear()
+        self._finished.clear()
+        if self._file is not None:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> ParallelTraceWriter:
         return self
