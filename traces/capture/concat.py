@@ -43,6 +43,11 @@ class Footer:
     num_rows: int = 0
     row_groups: tuple[int, int, int] = (0, 0, 0)  # (count, first group's start, end of the list)
 
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """(field id, header start, value start, end) of each top-level field; the STOP byte follows."""
+        ends = [start for _, start, _ in self.fields[1:]] + [len(self.data) - 1]
+        return [(field_id, start, value, end) for (field_id, start, value), end in zip(self.fields, ends, strict=True)]
+
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
     shift = result = 0
@@ -137,12 +142,11 @@ def parse_footer(data: bytes) -> Footer:
     """Find, in a FileMetaData's bytes, the row count, the row groups and the varints to shift."""
     footer = Footer(data)
     _scan(data, 0, {_FILE_ROW_GROUPS: [_ROW_GROUP]}, footer.holes, footer.fields)
-    for i, (field_id, _, value) in enumerate(footer.fields):
+    for field_id, _, value, end in footer.spans():
         if field_id == _FILE_NUM_ROWS:
             footer.num_rows = _zigzag(data, value)[0]
         elif field_id == _FILE_ROW_GROUPS:
             count, _, first = _list_header(data, value)
-            end = footer.fields[i + 1][1] if i + 1 < len(footer.fields) else len(data) - 1
             footer.row_groups = (count, first, end)
     return footer
 
@@ -185,10 +189,9 @@ def _list_header_bytes(count: int, kind: int) -> bytes:
 
 def _joined_footer(first: Footer, groups: bytes, count: int, num_rows: int) -> bytes:
     """The first part's footer with the joined row groups and row count; every other field as it was."""
-    data, fields = first.data, first.fields
+    data = first.data
     out = bytearray()
-    for i, (field_id, start, value) in enumerate(fields):
-        end = fields[i + 1][1] if i + 1 < len(fields) else len(data) - 1  # the last field ends at STOP
+    for field_id, start, value, end in first.spans():
         if field_id == _FILE_NUM_ROWS:
             out += data[start:value] + _encode_zigzag(num_rows)
         elif field_id == _FILE_ROW_GROUPS:
@@ -247,12 +250,8 @@ def concat_parquet(parts: list[Path], out: Path) -> None:
 
 def _unchanged_fields(footer: Footer) -> bytes:
     """The footer's bytes outside the row groups and the row count: schema, metadata, writer."""
-    data, pieces = footer.data, []
-    for i, (field_id, start, _) in enumerate(footer.fields):
-        end = footer.fields[i + 1][1] if i + 1 < len(footer.fields) else len(data)
-        if field_id not in (_FILE_NUM_ROWS, _FILE_ROW_GROUPS):
-            pieces.append(data[start:end])
-    return b"".join(pieces)
+    return b"".join(footer.data[start:end] for field_id, start, _, end in footer.spans()
+                    if field_id not in (_FILE_NUM_ROWS, _FILE_ROW_GROUPS))
 
 
 def _unsigned(n: int) -> bytes:
