@@ -241,7 +241,7 @@ def test_top_r_capture_stores_the_models_highest_logits(tmp_path):
 
     model, r = tiny_model("qwen3_moe"), 3  # 8 experts, top-2
     sites = find_routers(model)
-    meta = build_meta(model, sites, "tiny", ["a", "b"], f"top:{r}", {})
+    meta = build_meta(model, sites, "tiny", ["a", "b"], CaptureConfig(logits=f"top:{r}"), {})
     assert meta.has_logits and meta.logits_top_r == r and "logits_storage_note" not in meta.extra
     path = tmp_path / "top.parquet"
     with open_writer(path, meta) as writer:
@@ -335,3 +335,203 @@ def test_app_refuses_a_dense_model_with_one_line_and_exit_2(tmp_path, monkeypatc
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "no MoE router" in lines[0]
     assert not (tmp_path / "o.parquet").exists()
+
+
+def hidden_states(model, token_ids):
+    """One unpadded sequence: per MoE layer its router's input and its decoder layer's output."""
+    sites = find_routers(model)
+    seen: dict[str, dict[int, list]] = {"moe_input": {}, "layer_output": {}}
+    handles = []
+    for j, s in enumerate(sites):
+        handles.append(s.module.register_forward_pre_hook(
+            lambda m, a, j=j: seen["moe_input"].setdefault(j, []).append(a[0].detach())))
+        handles.append(s.decoder_layer.register_forward_hook(
+            lambda m, a, out, j=j: seen["layer_output"].setdefault(j, []).append(
+                (out[0] if isinstance(out, tuple) else out).detach())))
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.as_tensor(token_ids)[None])
+    finally:
+        for h in handles:
+            h.remove()
+    return sites, {src: [v[j][0].reshape(-1, v[j][0].shape[-1]) for j in range(len(sites))]
+                   for src, v in seen.items()}
+
+
+def lookahead_reference(sites, hidden, source: str, j: int, d: int) -> np.ndarray:
+    """float32[n, E]: router j+d's own logits on layer j's hidden state, computed directly."""
+    target = sites[j + d]
+    x = hidden[source][j]
+    with torch.inference_mode():
+        if source == "layer_output":
+            x = target.decoder_layer.post_attention_layernorm(x)
+        logits, _, _ = target.module(x)
+    return logits.reshape(x.shape[0], -1).float().numpy()
+
+
+def capture_file(model, wins, path, **cfg_fields):
+    """Capture ``wins`` into ``path`` through the capture's own writer; returns (meta, chunk)."""
+    from traces.capture.capture import build_meta, open_writer
+    from traces.format import read_trace
+
+    cfg = CaptureConfig(**cfg_fields)
+    sites = find_routers(model)
+    meta = build_meta(model, sites, "tiny", ["a", "b"], cfg, {})
+    with open_writer(path, meta, workers=3) as writer:
+        capture_windows(model, sites, wins, cfg, lambda rows: writer.write(**rows.columns()))
+    return read_trace(path)
+
+
+LOOKAHEAD_CASES = [("moe_input", "top:3"), ("layer_output", "full")]
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+@pytest.mark.parametrize(("source", "storage"), LOOKAHEAD_CASES, ids=[c[0] for c in LOOKAHEAD_CASES])
+def test_lookahead_equals_the_routers_ahead_on_layer_l(arch, source, storage, tmp_path):
+    """Recorded look-ahead = router_{l+d}(hidden state of layer l), as the model's own routers compute it."""
+    from traces.capture.config import LookaheadConfig
+
+    model = tiny_model(arch)
+    L = len(find_routers(model))
+    depth = min(2, L - 1)
+    lookahead = LookaheadConfig(enabled=True, depth=depth, source=source, logits=storage)
+    meta, chunk = capture_file(model, windows([9, 14, 5]), tmp_path / "la.parquet", batch_size=2,
+                               lookahead=lookahead)
+    width = 3 if storage == "top:3" else 8
+    assert (meta.lookahead_depth, meta.lookahead_source) == (depth, source)
+    assert meta.lookahead_top_r == (3 if storage == "top:3" else 0)
+    assert chunk.lookahead_ids.shape == (28, L, depth, width)
+    for seq in range(3):
+        sel = chunk.seq == seq
+        sites, hidden = hidden_states(model, chunk.token_id[sel])
+        ids, got = chunk.lookahead_ids[sel], chunk.lookahead_logits[sel]
+        for j in range(L):
+            for d in range(1, depth + 1):
+                if j + d >= L:  # no layer l + d: the sentinel
+                    assert (ids[:, j, d - 1] == -1).all() and (got[:, j, d - 1] == -np.inf).all()
+                    continue
+                ref = lookahead_reference(sites, hidden, source, j, d)
+                np.testing.assert_allclose(got[:, j, d - 1], np.take_along_axis(ref, ids[:, j, d - 1], -1),
+                                           rtol=1e-3, atol=1e-3)
+                # the listed experts are the router's highest, in order (up to float16 rounding)
+                kept = np.zeros_like(ref, dtype=bool)
+                np.put_along_axis(kept, ids[:, j, d - 1], True, -1)
+                assert (np.where(kept, -np.inf, ref).max(-1) <= np.where(kept, ref, np.inf).min(-1) + 1e-3).all()
+                assert (np.diff(got[:, j, d - 1], axis=-1) <= 0).all()
+
+
+def test_lookahead_in_generation_follows_the_kv_cache_decode(tmp_path):
+    """Decode steps (one token per forward, KV cache) record the same look-ahead as a full forward."""
+    from traces.capture.config import LookaheadConfig
+
+    model = tiny_model("qwen3_next")
+    gen = GenerateConfig(prompt_tokens=5, new_tokens=4)
+    meta, chunk = capture_file(model, windows([8, 6], seed=2), tmp_path / "gen.parquet", batch_size=2,
+                               mode="generate", generate=gen, lookahead=LookaheadConfig(enabled=True, depth=3))
+    for seq in range(2):
+        sel = chunk.seq == seq
+        sites, hidden = hidden_states(model, chunk.token_id[sel])
+        for j in range(3):
+            ref = lookahead_reference(sites, hidden, "moe_input", j, 3 - j)
+            ids = chunk.lookahead_ids[sel][:, j, 2 - j]
+            np.testing.assert_allclose(chunk.lookahead_logits[sel][:, j, 2 - j],
+                                       np.take_along_axis(ref, ids, -1), rtol=1e-3, atol=1e-3)
+
+
+def test_capture_writes_what_the_single_writer_wrote_before(tmp_path):
+    """Top-R on the device and row groups encoded in parallel give the trace the host path gave."""
+    from traces.capture.capture import build_meta
+    from traces.format import TraceWriter, read_trace
+
+    model, wins = tiny_model("deepseek_v3"), windows([9, 14, 3, 14, 6, 11], seed=4)  # biased selection
+    sites = find_routers(model)
+    # before: dense float16 logits, the top R chosen by the format on the host, one writer thread
+    dense = record(model, wins, logits="full", batch_size=4)
+    meta = build_meta(model, sites, "tiny", ["a", "b"], CaptureConfig(logits="top:5"), {})
+    with TraceWriter(tmp_path / "before.parquet", meta) as writer:
+        writer.write(**dense.columns())
+    # now: the capture's defaults with small units, so the file joins many parts
+    with open_writer_units(tmp_path / "now.parquet", meta, unit_tokens=5) as writer:
+        capture_windows(model, sites, wins, CaptureConfig(logits="top:5", batch_size=4),
+                        lambda rows: writer.write(**rows.columns()))
+    before, now = read_trace(tmp_path / "before.parquet"), read_trace(tmp_path / "now.parquet")
+    assert before[0] == now[0]
+    for name in ("seq", "pos", "phase", "token_id", "domain", "experts", "gates", "logits", "nll"):
+        np.testing.assert_array_equal(getattr(before[1], name), getattr(now[1], name), err_msg=name)
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(tmp_path / "now.parquet").metadata.num_row_groups == -(-57 // 5)
+
+
+def open_writer_units(path, meta, unit_tokens):
+    from traces.capture.writer import ParallelTraceWriter
+
+    return ParallelTraceWriter(path, meta, unit_tokens=unit_tokens, workers=3)
+
+
+def test_lookahead_settings_are_checked_before_the_model_runs():
+    from traces.capture.capture import Storage
+    from traces.capture.config import LookaheadConfig
+
+    def storage(**la):
+        return Storage.of(CaptureConfig(lookahead=LookaheadConfig(enabled=True, **la)), 8, 3)
+
+    assert storage(logits="top:8").lookahead_top_r == 0  # all E: the ids would add nothing
+    assert storage(logits="top:4").lookahead_top_r == 4
+    assert Storage.of(CaptureConfig(logits="top:8"), 8, 3).logits == "full"
+    for bad, words in [({"depth": 3}, "lookahead.depth=3"), ({"source": "attention"}, "lookahead.source"),
+                       ({"logits": "none"}, "lookahead.logits=none"), ({"logits": "top:0"}, "lookahead.logits")]:
+        with pytest.raises(InputError, match=words):
+            storage(**bad)
+
+
+def _tiny_model_dir(tmp_path) -> Path:
+    tiny_config("qwen3_moe").save_pretrained(tmp_path / "m")
+    _tiny_tokenizer(tmp_path / "m")
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 8)
+    return tmp_path / "m" / "config.json"
+
+
+def test_plain_capture_command_takes_moe_captures_overrides(tmp_path, capsys):
+    """python -m traces.capture: the GPU hosts' path without Hydra, same override names."""
+    from traces.capture.__main__ import main
+    from traces.format import read_trace
+
+    config = _tiny_model_dir(tmp_path)
+    summary, out = tmp_path / "run" / "capture.json", tmp_path / "t.parquet"
+    common = [f"model.config={config}", "model.dtype=float32", "model.device=cpu", f"input.paths=[{tmp_path / 'a.txt'}]",
+              "input.window_tokens=40", "batch_size=2", "progress=false", f"out={out}"]
+    main([f"--summary={summary}", *common, "lookahead.enabled=true", "lookahead.logits=top:3", "logits=top:4"])
+    stats = json.loads(summary.read_text())
+    meta, chunk = read_trace(out)
+    assert stats["tokens"] == chunk.num_tokens == 352 and stats["path"] == str(out)
+    assert (meta.logits_top_r, meta.lookahead_depth, meta.lookahead_top_r) == (4, 1, 3)
+    assert capsys.readouterr().out.startswith("moe-capture: 352 tokens x 2 MoE layers")
+    for bad, words in [("batch_sise=3", "'batch_sise=3' is not key=value"), ("lookahead.depth=x", "is not a valid int"),
+                       ("lookahead=3", "is not key=value"), ("force=yes", "force=yes is not a valid bool")]:
+        with pytest.raises(SystemExit) as exc:
+            main([*common, "force=true", bad])
+        assert exc.value.code == EXIT_INPUT_ERROR
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+
+def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys):
+    from traces.capture import bench
+
+    config = _tiny_model_dir(tmp_path)
+    out = tmp_path / "bench.json"
+    bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
+                "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
+                "--lookahead-depth", "1", "--writers", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["batch_size"] for r in result["runs"]] == [1, 4] and result["device"] == "cpu"
+    for r in result["runs"]:
+        assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x") and r["writers"] == 2
+        assert r["tokens"] == 200
+        # the overhead is the time ratio of the two rates (each rounded to a whole token/s)
+        fwd, cap = r["forward_tokens_per_s"], r["capture_tokens_per_s"]
+        assert (fwd - 0.5) / (cap + 0.5) - 1e-3 <= 1 + r["capture_overhead_pct"] / 100 <= (fwd + 0.5) / (cap - 0.5) + 1e-3
+        assert 0 <= r["writer_wait_pct"] <= 100
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
+    assert len(table) == 2 and table[1].split("|")[3].strip() == "4"

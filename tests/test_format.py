@@ -286,8 +286,8 @@ BAD_FILES = {
     "no_metadata": (lambda good, out: rewrite(good, out, drop_meta=True), ["'moe_trace'"]),
     "bad_json": (lambda good, out: pq.write_table(pq.read_table(good).replace_schema_metadata(
         {META_KEY: b"{not json"}), out) or out, ["'moe_trace'", "JSON"]),
-    "schema_version": (lambda good, out: rewrite(good, out, meta=meta_dict(schema_version=2)),
-                       ["'schema_version'", "supports schema_version 1"]),
+    "schema_version": (lambda good, out: rewrite(good, out, meta=meta_dict(schema_version=3)),
+                       ["'schema_version'", "supports schema_version 1 and 2"]),
     "expert_bytes_length": (lambda good, out: rewrite(good, out, meta=meta_dict(expert_bytes=[1, 2])),
                             ["'expert_bytes'", "one byte size per MoE layer"]),
     "top_k_mismatch": (lambda good, out: rewrite(good, out, meta=meta_dict(top_k=3)),

@@ -23,7 +23,7 @@ nll             float32                            optional: teacher-forced NLL 
 
 ``logits`` is present exactly when ``meta.has_logits``, ``residency`` exactly when
 ``meta.has_residency``. File metadata: key ``moe_trace`` holds the JSON of :class:`TraceMeta`
-(``schema_version`` 1).
+(``schema_version`` 2; files of version 1, which has no look-ahead columns, read as before).
 
 ``meta.logits_top_r = R > 0`` stores only the R highest logits of each token-layer, descending,
 with their expert ids in ``logit_ids`` (R >= top_k; the selected experts are always among them,
@@ -32,6 +32,23 @@ reader decodes them to the dense (T, L, E) logits every reader gets, with ``-inf
 experts outside the R: such an expert ranks below every expert inside them, and among
 themselves they tie (the simulator breaks ties by lower expert id). The key is left out of the
 JSON when 0 (all E logits), so such files read as before.
+
+*Look-ahead routing* (``meta.lookahead_depth = D > 0``, schema version 2), two optional columns:
+
+================  ====================================  ==========================================
+lookahead_logits  fixed_size_list<float16>[D*R or D*E]  routers of layers l+1..l+D at layer l
+lookahead_ids     fixed_size_list<int16>[D*R]           with top-R look-ahead: each logit's expert
+================  ====================================  ==========================================
+
+For each token and MoE layer l, the logits that the routers of MoE layers l+1 .. l+D give for a
+hidden state of layer l (which one: ``meta.lookahead_source``, e.g. ``moe_input``, the input of
+layer l's MoE block: the "stale gate"). ``lookahead_logits`` holds D blocks, distance 1 first;
+each block is the R highest logits, descending (ties: the lower id first), with their ids in
+``lookahead_ids`` (``meta.lookahead_top_r = R``), or all E logits in expert order without ids
+(``lookahead_top_r`` 0). Where layer l+d does not exist (the last D layers) the block is the
+sentinel: logits ``-inf`` and ids -1. Decoded chunks carry ``lookahead_ids`` and
+``lookahead_logits`` as (T, L, D, R) arrays sorted by logit, descending (R = E for full storage):
+``lookahead_ids[t, l, d - 1, :P]`` are the P experts layer l predicts for layer l + d.
 
 A *group* is the unit the simulator processes at once: a maximal run of consecutive prefill
 tokens of one sequence (one batch per layer), or a single decode token.
@@ -99,7 +116,8 @@ from tqdm import tqdm
 from traces.atomic import output_errors, remove_orphans, temp_path
 from traces.errors import InputError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)  # version 1: the same columns, no look-ahead
 META_KEY = b"moe_trace"
 CONTENT_KEY = b"moe_trace_content"  # "sha256:<hex>" of the decoded content (ContentHash)
 META_HASH_KEY = b"moe_trace_sha256"  # hex SHA-256 of the metadata JSON, checked on every open
@@ -116,6 +134,7 @@ ROW_GROUP_BYTES = 16 * 2**20
 SCAN_ROWS = 2**20  # rows per batch when streaming the small columns to plan chunks
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _TOKEN_COLUMNS = ("token_id", "domain", "nll")  # optional per-token columns, in file order
+LOOKAHEAD_NO_LAYER = -1  # look-ahead id where layer l + d does not exist (its logits are -inf)
 
 
 @dataclass
@@ -139,11 +158,15 @@ class TraceMeta:
     source: str = ""  # "synth", "route-csv", "capture", ...
     schema_version: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (seed, command, ...)
+    lookahead_depth: int = 0  # D > 0: routers of layers l+1..l+D evaluated at layer l are stored
+    lookahead_top_r: int = 0  # R > 0: the R highest look-ahead logits with their ids; 0 = all E
+    lookahead_source: str = ""  # the hidden state the look-ahead routers saw, e.g. "moe_input"
 
     def to_json(self) -> str:
         values = asdict(self)
-        if not values["logits_top_r"]:
-            del values["logits_top_r"]  # the default: the JSON earlier versions wrote
+        for name in ("logits_top_r", *_LOOKAHEAD_FIELDS):
+            if not values[name]:
+                del values[name]  # the default: the JSON earlier versions wrote
         return json.dumps(values, sort_keys=True)
 
     @classmethod
@@ -159,11 +182,11 @@ class TraceMeta:
         if not isinstance(raw, dict):
             raise InputError(f"{where}: metadata 'moe_trace' must be a JSON object; re-create the trace")
         version = raw.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise InputError(
                 f"{where}: metadata field 'schema_version' is {version!r}, but this reader supports "
-                f"schema_version {SCHEMA_VERSION} only; re-create or convert the trace with a "
-                "matching moe-trace version"
+                f"schema_version {' and '.join(map(str, READABLE_SCHEMA_VERSIONS))}; re-create or "
+                "convert the trace with a matching moe-trace version"
             )
         known = {f.name: f for f in fields(cls)}
         for name in raw:
@@ -190,9 +213,10 @@ class TraceMeta:
         def bad(name: str, problem: str, fix: str) -> InputError:
             return InputError(f"{where}: metadata field '{name}' {problem}; {fix}")
 
-        if self.schema_version != SCHEMA_VERSION:
-            raise bad("schema_version", f"is {self.schema_version}, only {SCHEMA_VERSION} is supported",
-                      "write schema_version 1")
+        if self.schema_version not in READABLE_SCHEMA_VERSIONS:
+            raise bad("schema_version", f"is {self.schema_version}, only "
+                      f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))} are supported",
+                      f"write schema_version {SCHEMA_VERSION}")
         for name, (low, high, why) in META_BOUNDS.items():  # before any arithmetic on them
             value = getattr(self, name)
             for i, v in enumerate(value if isinstance(value, list) else [value]):
@@ -221,6 +245,9 @@ class TraceMeta:
                        f"is {r}, outside top_k {self.top_k} .. num_experts {self.num_experts}")
             raise bad("logits_top_r", problem,
                       "keep at least the top_k selected experts' logits, or write 0 for all logits")
+        problem = _lookahead_meta_problem(self)
+        if problem:
+            raise bad(*problem)
 
 
 # integer metadata: field -> (lowest, highest, why the cap); checked per entry for lists
@@ -259,6 +286,8 @@ class TraceChunk:
     trace has logits (``-inf`` outside the top R of a top-R trace), else (0, L, E);
     ``residency`` likewise (T, L, k) or (0, L, k). ``logit_order`` (T, L, R): per token-layer
     the ids of the R highest logits, descending, ties by lower id (a source's ``order_r``).
+    ``lookahead_ids`` / ``lookahead_logits`` are (T, L, D, R) when the trace has look-ahead
+    routing (module docstring), else None.
     """
 
     seq: np.ndarray  # int32[T]
@@ -272,6 +301,8 @@ class TraceChunk:
     logits: np.ndarray  # float32[T, L, E] or [0, L, E]
     residency: np.ndarray  # int8[T, L, k] or [0, L, k]
     nll: np.ndarray | None = None  # float32[T] (NaN where absent), or None
+    lookahead_ids: np.ndarray | None = None  # int32[T, L, D, R], by logit descending; -1: no layer
+    lookahead_logits: np.ndarray | None = None  # float32[T, L, D, R], descending; -inf: no layer
     logit_order: np.ndarray | None = None  # int16[T, L, R] with order_r=R, else [0, L, 0]
 
     def __post_init__(self):
@@ -342,6 +373,9 @@ def _token_bytes(meta: TraceMeta, per_rank: int, per_logit: int, per_token: int,
     if meta.has_logits:
         top_r = stored and meta.logits_top_r
         per_layer += meta.logits_top_r * (per_logit + 2) if top_r else meta.num_experts * per_logit
+    if meta.lookahead_depth:  # decoded: int32 ids beside the float32 logits; stored: int16 ids if top-R
+        id_bytes = (2 if meta.lookahead_top_r else 0) if stored else per_logit
+        per_layer += meta.lookahead_depth * _lookahead_width(meta) * (per_logit + id_bytes)
     return meta.num_layers * per_layer + per_token
 
 
@@ -369,20 +403,29 @@ def make_chunk(
     token_id: np.ndarray | None = None,
     domain: np.ndarray | None = None,
     nll: np.ndarray | None = None,
+    logit_ids: np.ndarray | None = None,
+    lookahead_logits: np.ndarray | None = None,
+    lookahead_ids: np.ndarray | None = None,
     first_group: int = 0,
 ) -> TraceChunk:
     """A :class:`TraceChunk` from token arrays: weights (T, L, k) become gates, dtypes as documented.
 
-    The tokens must start at a group boundary; groups are numbered from ``first_group``.
-    ``logits`` may be left out of a trace that has them (the chunk then holds none).
+    Takes what :meth:`TraceWriter.write` takes. The tokens must start at a group boundary; groups
+    are numbered from ``first_group``. ``logits`` may be left out of a trace that has them (the
+    chunk then holds none).
     """
     cols = _columns(meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
                     logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll,
+                    logit_ids=logit_ids, lookahead_logits=lookahead_logits, lookahead_ids=lookahead_ids,
                     logits_optional=True)
     t, num_layers = cols["seq"].shape[0], meta.num_layers
     gates = normalised_gates(cols["weights"])
     logits = cols.get("logits")
+    if "logit_ids" in cols:
+        logits = _dense_logits(meta, logits, cols["logit_ids"])
     residency = cols.get("residency")
+    ahead_ids, ahead_logits = (_decoded_lookahead(meta, cols["lookahead_logits"], cols.get("lookahead_ids"))
+                               if "lookahead_logits" in cols else (None, None))
     return TraceChunk(
         seq=cols["seq"],
         pos=cols["pos"],
@@ -397,6 +440,8 @@ def make_chunk(
         residency=(residency if residency is not None
                    else np.zeros((0, num_layers, meta.top_k), np.int8)),
         nll=cols.get("nll"),
+        lookahead_ids=ahead_ids,
+        lookahead_logits=ahead_logits,
     )
 
 
@@ -424,13 +469,23 @@ def _columns(meta: TraceMeta, logits_optional: bool = False, **arrays) -> dict[s
     """Token arrays with shapes checked and on-disk dtypes; absent optional columns left out."""
     t = np.shape(arrays["seq"])[0]
     shape_k = (t, meta.num_layers, meta.top_k)
+    # logits come dense (T, L, E), or as the stored top R (T, L, R) together with their ids
+    selected = arrays.get("logit_ids") is not None
+    if selected and not meta.logits_top_r:
+        raise ValueError("'logit_ids' can be given only when meta.logits_top_r > 0")
     spec = {
         "seq": ((t,), np.int32), "pos": ((t,), np.int32), "phase": ((t,), np.int8),
         "experts": (shape_k, np.int16), "weights": (shape_k, np.float32),
-        "logits": ((t, meta.num_layers, meta.num_experts), np.float16),
+        "logits": ((t, meta.num_layers, meta.logits_top_r if selected else meta.num_experts), np.float16),
+        "logit_ids": ((t, meta.num_layers, meta.logits_top_r), np.int16),
         "residency": (shape_k, np.int8),
         "token_id": ((t,), np.int32), "domain": ((t,), np.int16), "nll": ((t,), np.float32),
+        **_lookahead_spec(meta, t),
     }
+    for name, stored in _lookahead_stored(meta).items():
+        if (arrays.get(name) is not None) != stored:
+            raise ValueError(f"'{name}' must be given exactly when the metadata stores it "
+                             "(lookahead_depth, lookahead_top_r)")
     wanted = {"logits": meta.has_logits, "residency": meta.has_residency}
     cols = {}
     for name, (shape, dtype) in spec.items():
@@ -500,6 +555,9 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             expert = experts[t, layer][missing[t, layer]][0]
             return Problem("logit_ids", t, layer, f"selected expert {expert} is not among the top-R ids "
                            f"{ids[t, layer].tolist()}", "store the logits of every selected expert")
+    problem = _lookahead_problem(meta, cols, first)
+    if problem:
+        return problem
     residency = cols.get("residency")
     if residency is not None:
         bad = ((residency != 0) & (residency != 1)).any(axis=-1)
@@ -533,8 +591,7 @@ def _ids_problem(column: str, ids: np.ndarray, num_experts: int, first, listed: 
         value = ids[t, layer][out_of_range[t, layer]][0]
         return Problem(column, t, layer, f"expert id {value} is outside 0..{num_experts - 1}",
                        "fix the ids or the metadata's num_experts")
-    ranked = np.sort(ids, axis=-1)
-    duplicate = (ranked[..., 1:] == ranked[..., :-1]).any(axis=-1)
+    duplicate = _repeats(ids)
     if duplicate.any():
         t, layer = first(duplicate)
         return Problem(column, t, layer, f"{listed} {ids[t, layer].tolist()} repeats an expert", fix)
@@ -583,6 +640,7 @@ def arrow_schema(meta: TraceMeta, token_columns: Iterable[str] = (), compact_log
     names = ["seq", "pos", "layer", "phase", "experts", "weights"]
     names += [name for name, present in (("logits", meta.has_logits), ("logit_ids", meta.logits_top_r > 0),
                                          ("residency", meta.has_residency)) if present]
+    names += [name for name, stored in _lookahead_stored(meta).items() if stored]
     names += [name for name in _TOKEN_COLUMNS if name in set(token_columns)]
     schema = pa.schema([(name, types[name]) for name in names])
     return schema.with_metadata({META_KEY: meta.to_json().encode()})
@@ -596,6 +654,8 @@ def _arrow_types(meta: TraceMeta) -> dict[str, pa.DataType]:
         "logits": pa.binary(2 * width), "logit_ids": pa.list_(pa.int16(), width),
         "residency": pa.list_(pa.int8(), k),
         "token_id": pa.int32(), "domain": pa.int16(), "nll": pa.float32(),
+        "lookahead_logits": pa.list_(pa.float16(), meta.lookahead_depth * _lookahead_width(meta)),
+        "lookahead_ids": pa.list_(pa.int16(), meta.lookahead_depth * meta.lookahead_top_r),
     }
 
 
@@ -615,6 +675,128 @@ F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float3
 def float32_logits(stored: np.ndarray) -> np.ndarray:
     """float16 logits as float32, through the lookup table (exactly ``astype``'s values)."""
     return np.take(F16_TO_F32, np.ascontiguousarray(stored).view(np.uint16), mode="clip")
+
+
+# ---- look-ahead routing (schema version 2): metadata, stored form, checks, decoding ----
+
+_LOOKAHEAD_FIELDS = ("lookahead_depth", "lookahead_top_r", "lookahead_source")
+_OPTIONAL_CHUNK_ARRAYS = ("nll", "lookahead_ids", "lookahead_logits")  # TraceChunk fields that may be None
+
+
+def _lookahead_meta_problem(meta: TraceMeta) -> tuple[str, str, str] | None:
+    """(field, problem, fix) when the look-ahead metadata does not hold together, else None."""
+    depth, top_r, source = meta.lookahead_depth, meta.lookahead_top_r, meta.lookahead_source
+    if not depth:
+        if top_r or source:
+            name = "lookahead_top_r" if top_r else "lookahead_source"
+            return name, f"is {getattr(meta, name)!r} but lookahead_depth is 0", "set lookahead_depth or drop it"
+        return None
+    if meta.schema_version < 2:
+        return ("lookahead_depth", f"is {depth} in a schema_version {meta.schema_version} file",
+                f"write schema_version {SCHEMA_VERSION}")
+    if not 1 <= depth < meta.num_layers:
+        return ("lookahead_depth", f"is {depth}, outside 1 .. num_layers - 1 = {meta.num_layers - 1}",
+                "look at most num_layers - 1 layers ahead")
+    if not 0 <= top_r <= meta.num_experts:
+        return ("lookahead_top_r", f"is {top_r}, outside 0 .. num_experts {meta.num_experts}",
+                "keep at most num_experts logits, or write 0 for all")
+    if not source:
+        return "lookahead_source", "is empty", "name the hidden state the look-ahead routers saw, e.g. moe_input"
+    return None
+
+
+def _lookahead_width(meta: TraceMeta) -> int:
+    """Look-ahead logits stored per token-layer and distance: R, or all E."""
+    return meta.lookahead_top_r or meta.num_experts
+
+
+def _lookahead_stored(meta: TraceMeta) -> dict[str, bool]:
+    """Which look-ahead columns the file has."""
+    depth = meta.lookahead_depth > 0
+    return {"lookahead_logits": depth, "lookahead_ids": depth and meta.lookahead_top_r > 0}
+
+
+def _lookahead_shapes(meta: TraceMeta) -> dict[str, tuple[int, int]]:
+    """Per token-layer shape (D, R or E) of each stored look-ahead column."""
+    return {name: (meta.lookahead_depth, meta.lookahead_top_r if name == "lookahead_ids" else _lookahead_width(meta))
+            for name, stored in _lookahead_stored(meta).items() if stored}
+
+
+def _lookahead_spec(meta: TraceMeta, t: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Array shapes and on-disk dtypes of the look-ahead columns, as ``_columns`` checks them."""
+    dtypes = {"lookahead_logits": np.float16, "lookahead_ids": np.int16}
+    return {name: ((t, meta.num_layers, *shape), dtypes[name]) for name, shape in _lookahead_shapes(meta).items()}
+
+
+def lookahead_missing(num_layers: int, depth: int) -> np.ndarray:
+    """bool[L, D]: layer l + d does not exist, so its look-ahead block is the sentinel."""
+    ahead = np.arange(num_layers)[:, None] + np.arange(1, depth + 1)[None, :]
+    return ahead >= num_layers
+
+
+def _lookahead_problem(meta: TraceMeta, cols: dict[str, np.ndarray], first) -> Problem | None:
+    """The first bad look-ahead value in stored-form arrays (T, L, D, R or E), or None.
+
+    ``first`` maps a (T, L) mask to the (token, layer) of its first true entry.
+    """
+    logits = cols.get("lookahead_logits")
+    if logits is None:
+        return None
+    ids = cols.get("lookahead_ids")
+    missing = lookahead_missing(meta.num_layers, meta.lookahead_depth)[None]  # (1, L, D)
+    sentinel = "write logits -inf and ids -1 where layer l + d does not exist"
+    checks = [  # (column, bad (T, L, D), what, fix), in the order they are reported
+        ("lookahead_logits", lambda: np.isnan(logits).any(axis=-1), "look-ahead logits contain NaN",
+         "re-capture in a precision that does not overflow"),
+        ("lookahead_logits", lambda: missing & ~(logits == -np.inf).all(axis=-1),
+         "logits are not all -inf past the last layer", sentinel),
+    ]
+    if ids is not None:
+        checks += [
+            ("lookahead_ids", lambda: missing & (ids != LOOKAHEAD_NO_LAYER).any(axis=-1),
+             "ids are not all -1 past the last layer", sentinel),
+            ("lookahead_ids", lambda: ~missing & ((ids < 0) | (ids >= meta.num_experts)).any(axis=-1),
+             f"an expert id is outside 0..{meta.num_experts - 1}", "fix the ids or num_experts"),
+            ("lookahead_ids", lambda: ~missing & _repeats(ids), "the top-R ids repeat an expert",
+             "list R distinct experts"),
+            ("lookahead_logits", lambda: ~missing & (logits[..., 1:] > logits[..., :-1]).any(axis=-1),
+             "top-R logits are not in descending order", "store the R highest logits, highest first"),
+        ]
+    for column, bad_of, what, fix in checks:
+        bad = bad_of()
+        if bad.any():
+            t, layer = first(bad.any(axis=-1))
+            distance = int(np.argmax(bad[t, layer])) + 1
+            return Problem(column, t, layer, f"{what} (distance {distance})", fix)
+    return None
+
+
+def _repeats(ids: np.ndarray) -> np.ndarray:
+    """bool[...]: the last axis of ``ids`` lists an id twice."""
+    ranked = np.sort(ids, axis=-1)
+    return (ranked[..., 1:] == ranked[..., :-1]).any(axis=-1)
+
+
+def _decoded_lookahead(meta: TraceMeta, logits: np.ndarray, ids: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Stored look-ahead -> (int32 ids, float32 logits), each (T, L, D, R), by logit descending."""
+    if ids is not None:
+        return ids.astype(np.int32), logits.astype(np.float32)
+    values = logits.astype(np.float32)
+    order = np.argsort(-values, axis=-1, kind="stable")  # ties: the lower id first
+    ids = order.astype(np.int32)
+    ids[:, lookahead_missing(meta.num_layers, meta.lookahead_depth)] = LOOKAHEAD_NO_LAYER
+    return ids, np.take_along_axis(values, order, axis=-1)
+
+
+def _lookahead_to_store(meta: TraceMeta, ids: np.ndarray | None, logits: np.ndarray | None) -> dict:
+    """Decoded look-ahead -> the writer's keyword arguments (expert order when all E are stored)."""
+    if not meta.lookahead_depth:
+        return {}
+    if meta.lookahead_top_r:
+        return {"lookahead_logits": logits, "lookahead_ids": ids}
+    dense = np.full((*ids.shape[:-1], meta.num_experts), -np.inf, np.float32)
+    np.put_along_axis(dense, np.maximum(ids, 0), np.where(ids >= 0, logits, -np.inf), axis=-1)
+    return {"lookahead_logits": dense}
 
 
 def _stored_logits(meta: TraceMeta, logits: np.ndarray, experts: np.ndarray) -> dict[str, np.ndarray]:
@@ -706,7 +888,8 @@ def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -
                 schema.field(name).type, t * num_layers, [None, pa.py_buffer(data)]))
         else:
             flat = value.astype(schema.field(name).type.value_type.to_pandas_dtype(), copy=False)
-            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), value.shape[-1]))
+            per_row = int(np.prod(value.shape[2:]))  # look-ahead: D blocks in one list
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), per_row))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -768,19 +951,24 @@ class TraceWriter:
         self.num_tokens = 0
 
     def write(self, *, seq, pos, phase, experts, weights, logits=None, residency=None,
-              token_id=None, domain=None, nll=None) -> None:
+              token_id=None, domain=None, nll=None, logit_ids=None, lookahead_logits=None,
+              lookahead_ids=None) -> None:
         """Append tokens: seq/pos/phase (T,), experts/weights/residency (T, L, k), logits (T, L, E).
 
-        Logits are always dense; with ``meta.logits_top_r`` only the top R are stored.
+        Logits are dense; with ``meta.logits_top_r`` only the top R are stored. A caller that
+        selected them already (as :func:`_stored_logits` does) gives the R logits (T, L, R) with
+        their ``logit_ids``. Look-ahead columns come in their stored form (module docstring):
+        (T, L, D, R) logits and ids, or (T, L, D, E) logits in expert order.
         Optional per-token columns (token_id, domain, nll) must be given in every call or none.
         """
         cols = _columns(self.meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
-                        logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll)
+                        logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll,
+                        logit_ids=logit_ids, lookahead_logits=lookahead_logits, lookahead_ids=lookahead_ids)
         problem = order_problem(cols["seq"], cols["pos"], cols["phase"], self._last) or find_problem(
             self.meta, cols)
         if problem:
             _raise(str(self.path), problem, cols["seq"], cols["pos"])
-        if "logits" in cols:
+        if "logits" in cols and "logit_ids" not in cols:
             cols.update(_stored_logits(self.meta, cols["logits"], cols["experts"]))
         self._append(cols)
 
@@ -809,6 +997,7 @@ class TraceWriter:
             logits=chunk.logits if self.meta.has_logits else None,
             residency=chunk.residency if self.meta.has_residency else None,
             token_id=chunk.token_id, domain=chunk.domain, nll=chunk.nll,
+            **_lookahead_to_store(self.meta, chunk.lookahead_ids, chunk.lookahead_logits),
         )
 
     def _flush(self, final: bool) -> None:
@@ -1094,12 +1283,13 @@ class TraceReader:
         table = rows.read(start * num_layers, stop * num_layers, descending)
         _raise_on_nulls(self._where, ((name, table.column(name)) for name in rows.columns),
                         start * num_layers, num_layers)
-        per_layer = {"experts": meta.top_k, "weights": meta.top_k, "residency": meta.top_k,
-                     "logits": _logits_width(meta), "logit_ids": _logits_width(meta)}
+        per_layer = {"experts": (meta.top_k,), "weights": (meta.top_k,), "residency": (meta.top_k,),
+                     "logits": (_logits_width(meta),), "logit_ids": (_logits_width(meta),),
+                     **_lookahead_shapes(meta)}
         cols = {}
         for name in rows.columns:
             if name in per_layer:
-                cols[name] = _numpy(table, name, (t, num_layers, per_layer[name]))
+                cols[name] = _numpy(table, name, (t, num_layers, *per_layer[name]))
             elif name != "layer":
                 cols[name] = _numpy(table, name, (t, num_layers))[:, 0].copy()
         del table
@@ -1325,10 +1515,13 @@ def _check_schema(schema: pa.Schema, meta: TraceMeta, where: str) -> list[str]:
     required = ["seq", "pos", "layer", "phase", "experts", "weights"]
     required += [name for name, flag in (("logits", meta.has_logits), ("logit_ids", meta.logits_top_r > 0),
                                          ("residency", meta.has_residency)) if flag]
+    required += [name for name, stored in _lookahead_stored(meta).items() if stored]
     for name in required:
         if name not in schema.names:
             flag = {"logits": " (metadata says has_logits)", "residency": " (metadata says has_residency)",
-                    "logit_ids": f" (metadata says logits_top_r {meta.logits_top_r})"}
+                    "logit_ids": f" (metadata says logits_top_r {meta.logits_top_r})",
+                    "lookahead_logits": f" (metadata says lookahead_depth {meta.lookahead_depth})",
+                    "lookahead_ids": f" (metadata says lookahead_top_r {meta.lookahead_top_r})"}
             raise InputError(
                 f"{where}: column '{name}' is missing{flag.get(name, '')}; write it as "
                 f"{_type_name(types[name])} or fix the metadata"
@@ -1425,8 +1618,9 @@ def slice_chunk(c: TraceChunk, start: int, stop: int) -> TraceChunk:
         gates=c.gates[start:stop],
         logits=c.logits[start:stop] if c.logits.shape[0] else c.logits,
         residency=c.residency[start:stop] if c.residency.shape[0] else c.residency,
-        nll=None if c.nll is None else c.nll[start:stop],
         logit_order=c.logit_order[start:stop] if c.logit_order.shape[0] else c.logit_order,
+        **{name: None if getattr(c, name) is None else getattr(c, name)[start:stop]
+           for name in _OPTIONAL_CHUNK_ARRAYS},
     )
 
 
@@ -1438,6 +1632,7 @@ def concat_chunks(chunks: list[TraceChunk]) -> TraceChunk:
             return parts[0]
         return np.concatenate(parts)
 
-    nll = None if any(c.nll is None for c in chunks) else np.concatenate([c.nll for c in chunks])
-    names = [f.name for f in fields(TraceChunk) if f.name != "nll"]
-    return TraceChunk(**{name: join(name) for name in names}, nll=nll)
+    optional = {name: None if any(getattr(c, name) is None for c in chunks)
+                else np.concatenate([getattr(c, name) for c in chunks]) for name in _OPTIONAL_CHUNK_ARRAYS}
+    names = [f.name for f in fields(TraceChunk) if f.name not in optional]
+    return TraceChunk(**{name: join(name) for name in names}, **optional)

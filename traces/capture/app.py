@@ -2,6 +2,7 @@
 
 The trace goes to ``out`` (relative to the working directory); Hydra's run directory receives
 ``capture.json`` with the run's summary. Bad input prints one line and exits with code 2.
+Without Hydra (hosts without hydra-core): ``python -m traces.capture`` takes the same overrides.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from traces.atomic import atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR, InputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,13 +40,18 @@ def _task(cfg) -> dict:
     except InputError as e:
         print(f"moe-capture: error: {e}", file=sys.stderr)
         sys.exit(EXIT_INPUT_ERROR)
-    (run_dir / "capture.json").write_text(json.dumps(stats, indent=2) + "\n")
-    print(
+    atomic_write_text(run_dir / "capture.json", json.dumps(stats, indent=2) + "\n")
+    print(summary_line(stats))
+    return stats
+
+
+def summary_line(stats: dict) -> str:
+    """The line moe-capture prints when a capture is done."""
+    return (
         f"moe-capture: {stats['tokens']} tokens x {stats['layers']} MoE layers "
         f"({stats['experts']} experts, top-{stats['top_k']}) in {stats['seconds']:.1f} s "
         f"({stats['tokens_per_s']:.0f} tokens/s) -> {stats['path']} ({stats['bytes'] / 1e6:.2f} MB)"
     )
-    return stats
 
 
 def main() -> None:

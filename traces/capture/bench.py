@@ -1,10 +1,16 @@
 """Capture overhead: tokens/s of the same teacher-forced forwards with and without recording.
 
 Three variants over the same windows and batches: ``forward`` (the model alone), ``hooks``
-(router hooks, NLL, copies to the host; rows discarded) and ``capture`` (hooks plus the trace
-writer, file closed). Each is timed ``repeats`` times after one warm-up pass; the median counts.
+(router hooks, NLL, top-R selection and copies to the host; rows discarded) and ``capture``
+(hooks plus the capture's trace writer, file closed). Each is timed ``repeats`` times after one
+warm-up pass; the median counts. The capture settings are moe-capture's defaults unless given
+(``--logits``, ``--lookahead-depth``, ``--writers``). Prints a Markdown table:
 
     python -m traces.capture.bench --model traces/fixtures/model --input capture.jsonl --out bench.json
+    python -m traces.capture.bench --model traces/fixtures/model --input docs/ --device cpu --tokens 2048
+
+Torch is imported by the measuring functions only, so :func:`overhead_table` serves the model
+cards on hosts without it.
 """
 from __future__ import annotations
 
@@ -13,23 +19,25 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from traces.capture.capture import batches, build_meta, capture_windows, open_writer, right_padded
-from traces.capture.config import CaptureConfig, ModelConfig
-from traces.capture.hooks import router_returns_probabilities
-from traces.capture.model import load_model
-from traces.capture.text import make_windows, read_documents
+from traces.atomic import atomic_write_text
+from traces.capture.config import CaptureConfig, LookaheadConfig, ModelConfig
 
 
-def _sync(device: torch.device) -> None:
+def _sync(device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _forward_only(model, windows, batch_size: int) -> None:
+    import torch
+
+    from traces.capture.capture import batches, right_padded
+
     with torch.inference_mode():
         for batch in batches(windows, batch_size):
             _, _, input_ids, mask = right_padded(batch, model.device)
@@ -37,48 +45,83 @@ def _forward_only(model, windows, batch_size: int) -> None:
     _sync(model.device)
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int) -> tuple[float, object]:
+    """(median seconds of ``repeats`` calls after a warm-up call, the last call's result)."""
     fn()  # warm-up: kernels, allocator, first writer
-    times = []
+    times, result = [], None
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        result = fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), result
 
 
-def measure_overhead(model, sites, windows, name: str, domains: list[str], batch_size: int,
-                     logits: str = "full", repeats: int = 3) -> dict:
-    """Tokens/s of forward, hooks and capture for one batch size; overheads in % of forward time."""
+def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
+                     repeats: int = 3) -> dict:
+    """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads in %."""
+    from traces.capture.capture import build_meta, capture_windows, open_writer
+    from traces.capture.hooks import router_returns_probabilities
+
     tokens = sum(len(w.tokens) for w in windows)
-    cfg = CaptureConfig(batch_size=batch_size, logits=logits)
     probs = router_returns_probabilities(model, sites)
 
-    def hooks() -> None:
-        capture_windows(model, sites, windows, cfg, lambda rows: None, logits_are_probs=probs)
+    def hooks() -> dict:
+        return capture_windows(model, sites, windows, cfg, lambda rows: None, logits_are_probs=probs)
 
-    def capture() -> None:
-        meta = build_meta(model, sites, name, domains, logits, {}, probs)
-        with tempfile.TemporaryDirectory() as tmp, open_writer(Path(tmp) / "bench.parquet", meta) as w:
-            capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
-                            logits_are_probs=probs)
+    def capture() -> dict:
+        meta = build_meta(model, sites, name, domains, cfg, {}, probs)
+        with tempfile.TemporaryDirectory() as tmp, open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers) as w:
+            return capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
+                                   logits_are_probs=probs)
 
-    t_fwd = _timed(lambda: _forward_only(model, windows, batch_size), repeats)
-    t_hooks = _timed(hooks, repeats)
-    t_cap = _timed(capture, repeats)
+    t_fwd, _ = _timed(lambda: _forward_only(model, windows, cfg.batch_size), repeats)
+    t_hooks, _ = _timed(hooks, repeats)
+    t_cap, stats = _timed(capture, repeats)
     return {
-        "logits": logits,
-        "batch_size": batch_size,
+        "logits": cfg.logits,
+        "lookahead": _lookahead_label(cfg.lookahead),
+        "batch_size": cfg.batch_size,
+        "writers": _workers(cfg),
         "tokens": tokens,
         "forward_tokens_per_s": round(tokens / t_fwd),
         "hooks_tokens_per_s": round(tokens / t_hooks),
         "capture_tokens_per_s": round(tokens / t_cap),
         "hooks_overhead_pct": round(100 * (t_hooks / t_fwd - 1), 1),
         "capture_overhead_pct": round(100 * (t_cap / t_fwd - 1), 1),
+        "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
     }
 
 
+def _workers(cfg: CaptureConfig) -> int:
+    """The number of encoding threads a capture with ``cfg`` uses."""
+    from traces.capture.writer import default_workers
+
+    return cfg.writers or default_workers()
+
+
+def _lookahead_label(la: LookaheadConfig) -> str:
+    return f"{la.depth} x {la.logits} ({la.source})" if la.enabled else "none"
+
+
+def overhead_table(bench: dict) -> list[str]:
+    """The Markdown table of one bench result (``--out`` JSON), a line per run."""
+    lines = [
+        "| logits | look-ahead | batch (windows) | forward only, tok/s | + recording, tok/s | + trace writer, "
+        "tok/s | recording overhead | recording + writer overhead | loop waiting for the writer |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in bench["runs"]:
+        wait = f"{r['writer_wait_pct']:.1f} %" if "writer_wait_pct" in r else "n/a"
+        lines.append(
+            f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {r['batch_size']} | "
+            f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
+            f"{r['hooks_overhead_pct']:+.1f} % | {r['capture_overhead_pct']:+.1f} % | {wait} |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
+    defaults = CaptureConfig()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
@@ -88,12 +131,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=20480, help="input tokens per measured pass")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--logits", default="full,none", help="logits storages to measure, comma-separated")
+    p.add_argument("--logits", default=defaults.logits,
+                   help=f"logits storages to measure, comma-separated (default: moe-capture's, {defaults.logits})")
+    p.add_argument("--lookahead-depth", type=int, default=0,
+                   help="also record look-ahead routing this many layers ahead (moe-capture's other defaults)")
+    p.add_argument("--writers", type=int, default=defaults.writers, help="encoding threads; 0: moe-capture's default")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    mcfg = ModelConfig(path=args.model, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype)
+
+    import torch
+
+    from traces.capture.model import load_model
+    from traces.capture.text import make_windows, read_documents
+
+    mcfg = ModelConfig(path=args.model, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
+                       device=args.device)
     model, tokenizer, sites, name = load_model(mcfg)
     docs = read_documents(args.input)
     windows, domains = make_windows(docs, tokenizer, args.window, max_tokens=args.tokens)
@@ -101,15 +156,21 @@ def main(argv: list[str] | None = None) -> None:
                "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
+    lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
     for logits in args.logits.split(","):
         for bs in (int(x) for x in args.batch_sizes.split(",")):
-            r = measure_overhead(model, sites, windows, name, domains, bs, logits, args.repeats)
+            cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, lookahead=lookahead)
+            r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
             results["runs"].append(r)
             print(f"{name} logits={logits} batch {bs}: forward {r['forward_tokens_per_s']} tok/s, "
                   f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
                   f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %)", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
+    print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "
+          f"{results['experts']} experts, top-{results['top_k']}), {results['runs'][0]['tokens']:,} "
+          "tokens per pass:\n")
+    print("\n".join(overhead_table(results)))
 
 
 if __name__ == "__main__":

@@ -6,15 +6,19 @@ of a window); the simulator replays it as generation. ``generate``: each window'
 ``prompt_tokens`` are a prompt (one prefill forward, left-padded), then ``new_tokens`` decode
 steps with the KV cache; every token fed to the model is recorded. Padding never enters the trace.
 
-Device work is never waited on inside the loop: the recorded tensors are copied to pinned host
-memory asynchronously and a writer thread hands them to the trace writer, so the GPU runs the
-next forward while the previous batch is compressed and written.
+Device work is never waited on inside the loop. On the device, the recorded logits are cut to
+what the trace stores (top R with ids, as ``traces.format`` would select them on the host), then
+copied to pinned host memory on a side stream; a drain thread hands each batch to the sink, by
+default a :class:`~traces.capture.writer.ParallelTraceWriter` whose threads encode row groups
+in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
+the loop wait (``blocked_s`` in the summary).
 """
 from __future__ import annotations
 
 import inspect
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,22 +29,36 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from traces.atomic import remove_orphans
 from traces.capture.config import CaptureConfig
-from traces.capture.hooks import RouterRecorder, router_returns_probabilities
+from traces.capture.hooks import (
+    Lookahead,
+    RouterRecorder,
+    StepRouting,
+    check_lookahead_source,
+    router_returns_probabilities,
+)
 from traces.capture.routers import RouterSite, routing_metadata
 from traces.capture.text import Window, make_windows, read_documents
+from traces.capture.writer import ParallelTraceWriter
 from traces.errors import InputError
 from traces.format import (
+    LOOKAHEAD_NO_LAYER,
     PHASE_DECODE,
     PHASE_PREFILL,
     TraceMeta,
-    TraceWriter,
     default_row_group_tokens,
+    lookahead_missing,
 )
 
 MODES = ("teacher_forced", "generate")
 ROW_GROUP_FRACTION = 16  # capture row groups are 1/16 of the format's default (~4 MiB in memory)
 NLL_CHUNK_ELEMENTS = 1 << 28  # bound the float32 copy of the LM logits used for the NLL
+# While capturing, the GIL changes hands at least this often: the encoder threads need it briefly
+# between pyarrow calls, and a loop busy launching a small model's kernels would otherwise keep
+# each of them waiting up to Python's default 5 ms (on 2 cores, a busy Python loop beside the
+# encoders slowed them 2.7x at 5 ms, 1.8x at 0.5 ms).
+CAPTURE_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -55,7 +73,10 @@ class Rows:
     nll: np.ndarray  # float32[T], teacher-forced NLL of the token in nats (NaN: no context)
     experts: np.ndarray  # int16[T, L, k], rank order
     weights: np.ndarray  # float32[T, L, k], gate weights as the model applied them
-    logits: np.ndarray | None = None  # float16[T, L, E] router logits (the writer keeps top R), or None
+    logits: np.ndarray | None = None  # float16[T, L, E] router logits, or [T, L, R] the top R; or None
+    logit_ids: np.ndarray | None = None  # int16[T, L, R] with top-R logits: their expert ids
+    lookahead_logits: np.ndarray | None = None  # float16[T, L, D, R or E] (traces.format), or None
+    lookahead_ids: np.ndarray | None = None  # int16[T, L, D, R] with top-R look-ahead, or None
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +87,7 @@ class Rows:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def parse_logits_storage(value: str) -> tuple[str, int | None]:
+def parse_logits_storage(value: str, field: str = "logits") -> tuple[str, int | None]:
     """``full`` | ``none`` | ``top:R`` -> (kind, R)."""
     if value in ("full", "none"):
         return value, None
@@ -77,18 +98,55 @@ def parse_logits_storage(value: str) -> tuple[str, int | None]:
             r = 0
         if r >= 1:
             return "top", r
-    raise InputError(f"logits={value} is not valid; choose full, none or top:R with R >= 1")
+    raise InputError(f"{field}={value} is not valid; choose full, none or top:R with R >= 1")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What a capture keeps, resolved for the model: top R below E, else all E (the ids add nothing)."""
+
+    logits: str  # "full", "top" or "none"
+    logits_top_r: int  # R < E for "top", else 0
+    lookahead: Lookahead | None  # None: no look-ahead
+    lookahead_top_r: int  # R < E, or 0 for all E
+
+    @classmethod
+    def of(cls, cfg: CaptureConfig, num_experts: int, num_layers: int) -> Storage:
+        """The storage ``cfg`` asks for, for a model of ``num_layers`` MoE layers of ``num_experts``."""
+        kind, r = parse_logits_storage(cfg.logits)
+        if kind == "top" and r >= num_experts:
+            kind, r = "full", None
+        la = cfg.lookahead
+        la_r = 0
+        if la.enabled:
+            la_kind, la_r = parse_logits_storage(la.logits, "lookahead.logits")
+            if la_kind == "none":
+                raise InputError("lookahead.logits=none is not valid; choose full or top:R, or "
+                                 "lookahead.enabled=false")
+            la_r = 0 if la_kind == "full" or la_r >= num_experts else la_r
+            check_lookahead_source(la.source)
+            if not 1 <= la.depth < num_layers:
+                raise InputError(f"lookahead.depth={la.depth} must be between 1 and the number of MoE "
+                                 f"layers - 1 ({num_layers - 1})")
+        return cls(logits=kind, logits_top_r=r or 0, lookahead=Lookahead(la.depth, la.source) if la.enabled else None,
+                   lookahead_top_r=la_r)
 
 
 class _Drain:
-    """Moves recorded device tensors to the host and into the sink on a writer thread."""
+    """Moves recorded device tensors to the host and into the sink on a thread of its own.
+
+    ``blocked_s`` counts the seconds the capture loop waited because the sink fell behind.
+    """
 
     def __init__(self, write, device: torch.device, depth: int = 3):
         self._write = write
         self._cuda = device.type == "cuda"
+        # copies on a stream of their own overlap the next forward instead of queueing behind it
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
+        self.blocked_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="trace-drain", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -112,15 +170,20 @@ class _Drain:
             raise self._error
         if self._cuda:
             copies = {}
-            for k, t in device.items():
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t, non_blocking=True)
-                copies[k] = buf
-            event = torch.cuda.Event()
-            event.record()
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            with torch.cuda.stream(self._stream):
+                for k, t in device.items():
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # cached by torch
+                    buf.copy_(t, non_blocking=True)
+                    t.record_stream(self._stream)  # not reused by the next forward before the copy
+                    copies[k] = buf
+                event = torch.cuda.Event()
+                event.record(self._stream)
         else:
             copies, event = {k: t.detach().cpu() for k, t in device.items()}, None
+        start = time.perf_counter()
         self._queue.put((event, host, copies))
+        self.blocked_s += time.perf_counter() - start
 
     def close(self) -> None:
         """Wait until everything queued is written; re-raise a writer error."""
@@ -143,13 +206,61 @@ def token_nll(lm_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return nll
 
 
-def _routing_parts(routing, slots: torch.Tensor, logits_kind: str) -> dict[str, torch.Tensor]:
-    parts = {
-        "experts": routing.experts.index_select(0, slots).to(torch.int16),
-        "weights": routing.weights.index_select(0, slots),
-    }
-    if logits_kind != "none":
-        parts["logits"] = routing.logits.index_select(0, slots).to(torch.float16)
+def _sort_descending(values: torch.Tensor) -> torch.Tensor:
+    """Indices sorting the last axis descending, ties in index order (numpy's stable argsort of -x).
+
+    Adding 0 makes -0.0 equal to 0.0 for sorts that compare bit patterns, as numpy compares values.
+    """
+    return torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices
+
+
+def top_r_logits(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-R logits a trace stores, selected on the device exactly as ``traces.format`` does.
+
+    ``logits`` float16[n, L, E], ``experts`` int64[n, L, k] -> (float16[n, L, R] descending,
+    int16[n, L, R] their ids): the R highest, the selected experts always among them.
+    """
+    score = logits.float()
+    score.scatter_(-1, experts, float("inf"))
+    ids = _sort_descending(score)[..., :r]
+    values = logits.gather(-1, ids)
+    order = _sort_descending(values)
+    return values.gather(-1, order), ids.gather(-1, order).to(torch.int16)
+
+
+def top_r_lookahead(lookahead: torch.Tensor, r: int, missing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-R look-ahead as stored: float16[n, L, D, E] -> (float16 [n, L, D, R] descending, int16 ids).
+
+    ``missing`` bool[L, D]: layer l + d does not exist; its ids become the format's sentinel.
+    """
+    ids = _sort_descending(lookahead)[..., :r]
+    values = lookahead.gather(-1, ids)
+    ids = ids.to(torch.int16)
+    ids[:, missing] = LOOKAHEAD_NO_LAYER
+    return values, ids
+
+
+def _routing_parts(routing: StepRouting, slots: torch.Tensor, storage: Storage,
+                   missing: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The recorded tensors of the real token slots, in the form the trace stores (on the device).
+
+    ``missing`` bool[L, D] (with look-ahead): layer l + d does not exist.
+    """
+    experts = routing.experts.index_select(0, slots)
+    parts = {"experts": experts.to(torch.int16), "weights": routing.weights.index_select(0, slots)}
+    if storage.logits != "none":
+        logits = routing.logits.index_select(0, slots).to(torch.float16)
+        if storage.logits_top_r:
+            parts["logits"], parts["logit_ids"] = top_r_logits(logits, experts, storage.logits_top_r)
+        else:
+            parts["logits"] = logits
+    if storage.lookahead:
+        ahead = routing.lookahead.index_select(0, slots).to(torch.float16)
+        if storage.lookahead_top_r:
+            parts["lookahead_logits"], parts["lookahead_ids"] = top_r_lookahead(
+                ahead, storage.lookahead_top_r, missing)
+        else:
+            parts["lookahead_logits"] = ahead
     return parts
 
 
@@ -174,8 +285,11 @@ def right_padded(batch: list[Window], device: torch.device):
     return ids, lengths, torch.from_numpy(ids).to(device), mask
 
 
-def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill_tokens, drain, logits_kind, on_tokens):
-    """One forward per batch of windows; records every real token."""
+def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill_tokens, drain, stored, on_tokens):
+    """One forward per batch of windows; records every real token.
+
+    ``stored(routing, slots)`` gives the device tensors to keep (:func:`_routing_parts`).
+    """
     device = model.device
     for batch in batches(windows, batch_size):
         ids, lengths, input_ids, mask = right_padded(batch, device)
@@ -185,7 +299,7 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
         pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
         slots_np = np.concatenate([b * S + np.arange(n) for b, n in enumerate(lengths)])
         slots = torch.from_numpy(slots_np).to(device)
-        dev = _routing_parts(routing, slots, logits_kind)
+        dev = stored(routing, slots)
         dev["nll"] = token_nll(out.logits, input_ids).reshape(-1).index_select(0, slots)
         host = {
             "seq": np.repeat([w.seq for w in batch], lengths).astype(np.int32),
@@ -214,7 +328,7 @@ def _returned_cache(out):
     return out["cache"] if "cache" in out else out["past_key_values"]
 
 
-def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, drain, logits_kind, on_tokens):
+def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, drain, stored, on_tokens):
     """Prefill each prompt, then decode ``new_tokens`` steps with the KV cache, recording each fed token."""
     device = model.device
     cache_arg = _cache_argument(model)
@@ -261,12 +375,7 @@ def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, d
             [np.concatenate([b * P + np.arange(P - plen[b], P), B * P + np.arange(N) * B + b]) for b in range(B)]
         )
         slots = torch.from_numpy(slots_np).to(device)
-        routing = type(steps[0])(
-            experts=torch.cat([s.experts for s in steps]),
-            weights=torch.cat([s.weights for s in steps]),
-            logits=torch.cat([s.logits for s in steps]) if steps[0].logits is not None else None,
-        )
-        dev = _routing_parts(routing, slots, logits_kind)
+        dev = stored(StepRouting.cat(steps), slots)
         dev["nll"] = torch.cat(nlls).index_select(0, slots)
         dev["token_id"] = torch.cat(toks).index_select(0, slots).to(torch.int32)
         counts = plen + N
@@ -282,18 +391,21 @@ def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, d
         drain.put(host, dev)
 
 
-def build_meta(model, sites: list[RouterSite], name: str, domains: list[str], logits: str, extra: dict,
-               logits_are_probs: bool = False) -> TraceMeta:
+def build_meta(model, sites: list[RouterSite], name: str, domains: list[str], cfg: CaptureConfig,
+               extra: dict, logits_are_probs: bool = False) -> TraceMeta:
     """TraceMeta of a capture from the model's routers and the capture settings."""
     r = routing_metadata(model, sites)
-    kind, top_r = parse_logits_storage(logits)
+    storage = Storage.of(cfg, r["num_experts"], len(sites))
     info = dict(r["extra"])
-    info["logits_storage"] = logits
+    info["logits_storage"] = cfg.logits
     info["logits_source"] = (
         "log of the router's returned softmax (logits up to a per-token shift)"
         if logits_are_probs else "router output"
     )
+    if storage.lookahead:
+        info["lookahead_storage"] = cfg.lookahead.logits
     info.update(extra)
+    ahead = storage.lookahead
     return TraceMeta(
         model=name,
         num_layers=len(sites),
@@ -303,13 +415,16 @@ def build_meta(model, sites: list[RouterSite], name: str, domains: list[str], lo
         dtype=r["dtype"],
         score_function=r["score_function"],
         renormalize=r["renormalize"],
-        has_logits=kind != "none",
-        logits_top_r=top_r or 0,
+        has_logits=storage.logits != "none",
+        logits_top_r=storage.logits_top_r,
         layer_ids=r["layer_ids"],
         domains=list(domains),
         dense_bytes=r["dense_bytes"],
         source="capture",
         extra=info,
+        lookahead_depth=ahead.depth if ahead else 0,
+        lookahead_top_r=storage.lookahead_top_r,
+        lookahead_source=ahead.source if ahead else "",
     )
 
 
@@ -329,23 +444,26 @@ def _progress(enabled: bool | None, total: int):
                 desc="capture", smoothing=0.1)
 
 
-def open_writer(path: Path, meta: TraceMeta) -> TraceWriter:
-    """The format's atomic writer with smaller row groups than its default.
+def open_writer(path: Path, meta: TraceMeta, workers: int | None = None) -> ParallelTraceWriter:
+    """The capture's trace writer: row groups smaller than the format's default, encoded in parallel.
 
-    Small row groups are compressed and written on the writer thread while the GPU runs the next
-    batches; with the default (one row group per ~64 MiB) most of a short capture's writing
-    would happen at the end, after the last forward.
+    Small row groups are encoded on the writer threads while the GPU runs the next batches; with
+    the default (one row group per ~16 MiB) much of a short capture's writing would happen at the
+    end, after the last forward. ``workers`` None or 0: :func:`~traces.capture.writer.default_workers`.
     """
-    return TraceWriter(path, meta, row_group_tokens=max(256, default_row_group_tokens(meta) // ROW_GROUP_FRACTION))
+    unit = max(256, default_row_group_tokens(meta) // ROW_GROUP_FRACTION)
+    return ParallelTraceWriter(path, meta, unit_tokens=unit, workers=workers or None)
 
 
 def check_config(cfg: CaptureConfig) -> None:
     """Validate the fields that need no model, so a bad value fails before anything loads."""
     if cfg.mode not in MODES:
         raise InputError(f"mode={cfg.mode} is not valid; choose one of: {', '.join(MODES)}")
-    parse_logits_storage(cfg.logits)
+    Storage.of(cfg, num_experts=2**15, num_layers=2**15)  # the strings; sizes once the model is known
     if cfg.batch_size < 1:
         raise InputError(f"batch_size={cfg.batch_size} must be at least 1")
+    if cfg.writers < 0:
+        raise InputError(f"writers={cfg.writers} must be >= 0 (0: half the CPU cores)")
     if cfg.prefill_tokens < 0:
         raise InputError(f"prefill_tokens={cfg.prefill_tokens} must be >= 0")
     if cfg.mode == "generate" and (cfg.generate.prompt_tokens < 1 or cfg.generate.new_tokens < 0):
@@ -358,28 +476,42 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
                     logits_are_probs: bool = False) -> dict:
     """Record ``windows`` through ``model`` and pass every block of rows to ``write(rows)``.
 
-    Returns ``{"tokens", "seconds", "tokens_per_s"}`` (wall time including the writes).
+    ``write`` runs on the drain thread; the rows are in stored form (:class:`Rows`). Returns
+    ``{"tokens", "seconds", "tokens_per_s", "blocked_s"}`` (wall time including the writes;
+    ``blocked_s`` of it the loop waited for ``write``).
     """
-    kind, _ = parse_logits_storage(cfg.logits)
+    storage = Storage.of(cfg, sites[0].num_experts, len(sites))
+    missing = None
+    if storage.lookahead:
+        missing = torch.from_numpy(lookahead_missing(len(sites), storage.lookahead.depth)).to(model.device)
     drain = _Drain(write, model.device)
     counted = [0]
+
+    def stored(routing: StepRouting, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return _routing_parts(routing, slots, storage, missing)
 
     def on_tokens(n: int) -> None:
         counted[0] += n
         if progress is not None:
             progress.update(n)
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, CAPTURE_SWITCH_INTERVAL_S))
     start = time.perf_counter()
     try:
-        with torch.inference_mode(), RouterRecorder(sites, kind != "none", logits_are_probs) as rec:
+        with torch.inference_mode(), RouterRecorder(sites, storage.logits != "none", logits_are_probs,
+                                                    storage.lookahead) as rec:
             if cfg.mode == "teacher_forced":
-                teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, kind, on_tokens)
+                teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored, on_tokens)
             else:
-                generate(model, rec, windows, cfg.batch_size, cfg.generate, cfg.model.seed, drain, kind, on_tokens)
+                generate(model, rec, windows, cfg.batch_size, cfg.generate, cfg.model.seed, drain, stored,
+                         on_tokens)
     finally:
         drain.close()
+        sys.setswitchinterval(interval)
     seconds = time.perf_counter() - start
-    return {"tokens": counted[0], "seconds": seconds, "tokens_per_s": counted[0] / max(seconds, 1e-9)}
+    return {"tokens": counted[0], "seconds": seconds, "tokens_per_s": counted[0] / max(seconds, 1e-9),
+            "blocked_s": drain.blocked_s}
 
 
 def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
@@ -404,6 +536,7 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
             "add_bos": cfg.input.add_bos,
             "batch_size": cfg.batch_size,
             "prefill_tokens": cfg.prefill_tokens,
+            "lookahead": asdict(cfg.lookahead) if cfg.lookahead.enabled else None,
             "generate": asdict(cfg.generate) if cfg.mode == "generate" else None,
             "inputs": [str(p) for p in cfg.input.paths],
             "seed": cfg.model.seed,
@@ -412,16 +545,22 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
         }
     }
     probs = router_returns_probabilities(model, sites)
-    meta = build_meta(model, sites, name, domains, cfg.logits, extra, probs)
+    meta = build_meta(model, sites, name, domains, cfg, extra, probs)
     total = sum(len(w.tokens) for w in windows)
     if cfg.mode == "generate":
         total = sum(min(len(w.tokens), cfg.generate.prompt_tokens) + cfg.generate.new_tokens for w in windows)
     if not out.parent.is_dir():
         out.parent.mkdir(parents=True)
-    with open_writer(out, meta) as writer, _progress(cfg.progress, total) as bar:
+    remove_orphans(out.parent)  # unit files of a capture that was killed
+    start = time.perf_counter()
+    with open_writer(out, meta, cfg.writers) as writer, _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
                                 probs)
+    seconds = time.perf_counter() - start  # end to end: the last units encoded and joined too
     stats.update(
+        seconds=seconds,
+        tokens_per_s=stats["tokens"] / max(seconds, 1e-9),
+        writers=writer.workers,
         path=str(out),
         bytes=out.stat().st_size,
         sequences=len(windows),

@@ -40,6 +40,17 @@ class GenerateConfig:
 
 
 @dataclass
+class LookaheadConfig:
+    enabled: bool = False  # record look-ahead routing: at MoE layer l, the routers of layers l+1..l+depth
+    depth: int = 1  # D: how many MoE layers ahead (1 .. MoE layers - 1)
+    # hidden state of layer l the routers ahead see: moe_input (layer l's MoE-block input, the router's
+    # own input: the "stale gate") | layer_output (decoder layer l's output, i.e. the next layer's
+    # pre-attention input, through layer l+d's post-attention norm); traces/capture/hooks.py
+    source: str = "moe_input"
+    logits: str = "top:32"  # top:R (the R highest per layer ahead, with ids; all E when R >= E) | full
+
+
+@dataclass
 class CaptureConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     input: InputConfig = field(default_factory=InputConfig)
@@ -47,7 +58,10 @@ class CaptureConfig:
     out: str = "outputs/capture.parquet"  # trace file to write
     force: bool = False  # overwrite an existing trace file
     mode: str = "teacher_forced"  # teacher_forced (windows, batched) | generate (KV-cache decode)
-    logits: str = "full"  # router logits stored: full | top:R (R highest, with ids) | none
+    # router logits stored: top:R (the R highest, with ids; all E when R >= E) | full | none
+    logits: str = "top:64"
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     batch_size: int = 16  # windows per forward (teacher_forced) or sequences decoded together
+    writers: int = 0  # threads encoding the trace's row groups in parallel; 0 = half the CPU cores, at most 8
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal

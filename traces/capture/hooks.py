@@ -3,6 +3,19 @@
 The hooks only keep references to the router's own outputs (on the model's device, no copy and
 no host synchronisation); :meth:`RouterRecorder.collect` stacks them once per forward.
 
+*Look-ahead routing* (optional): at MoE layer l the recorder also runs the routers of MoE layers
+l+1 .. l+D on a hidden state of layer l, through each router's own ``forward`` (the very
+computation the model runs at layer l+d, hooks bypassed). Which hidden state (``source``):
+
+- ``moe_input`` (the "stale gate"): the input of layer l's MoE block, which is what layer l's
+  router receives: the residual stream after layer l's attention, through layer l's
+  post-attention RMSNorm. Defined for every supported architecture.
+- ``layer_output``: the output of decoder layer l (the residual stream after its MoE block: the
+  input of the next decoder layer, before that layer's norm and attention), through layer
+  l+d's own post-attention RMSNorm, the normalisation its router was trained behind. Defined
+  for the architectures whose decoder layers have a ``post_attention_layernorm`` (all seven
+  supported ones do).
+
 Some transformers 5.x releases overwrite ``router_logits`` with the softmax before returning it
 (the ids and weights are unaffected). :func:`router_returns_probabilities` finds out with one
 tiny forward; the recorder then stores the log of those probabilities, which equal the logits
@@ -15,6 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from traces.capture.routers import RouterSite, rank_order
+from traces.errors import InputError
+
+LOOKAHEAD_SOURCES = ("moe_input", "layer_output")
 
 
 @dataclass
@@ -24,26 +40,52 @@ class StepRouting:
     experts: torch.Tensor  # int64[N, L, k], rank order
     weights: torch.Tensor  # float32[N, L, k], as applied by the model
     logits: torch.Tensor | None  # [N, L, E] in the router's dtype, or None when not kept
+    lookahead: torch.Tensor | None = None  # float32[N, L, D, E]: routers of l+1..l+D at l; -inf: none
+
+    @classmethod
+    def cat(cls, steps: list[StepRouting]) -> StepRouting:
+        """The routing of several forwards, token slots one after the other."""
+        def join(name: str) -> torch.Tensor | None:
+            parts = [getattr(s, name) for s in steps]
+            return None if parts[0] is None else torch.cat(parts)
+
+        return cls(experts=join("experts"), weights=join("weights"), logits=join("logits"),
+                   lookahead=join("lookahead"))
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    """What look-ahead routing to record: ``depth`` D layers ahead, from the hidden state ``source``."""
+
+    depth: int
+    source: str = "moe_input"
 
 
 class RouterRecorder:
     """Hooks every router of a model; use as a context manager around the forwards to record.
 
-    ``keep_logits`` False drops the logits at the hook (storage ``none``). Each forward must be
-    followed by :meth:`collect`, which checks that every MoE layer's hook fired exactly once.
+    ``keep_logits`` False drops the logits at the hook (storage ``none``); ``lookahead`` adds the
+    look-ahead routing (module docstring). Each forward must be followed by :meth:`collect`,
+    which checks that every MoE layer's hooks fired exactly once.
     """
 
-    def __init__(self, sites: list[RouterSite], keep_logits: bool = True, logits_are_probs: bool = False):
+    def __init__(self, sites: list[RouterSite], keep_logits: bool = True, logits_are_probs: bool = False,
+                 lookahead: Lookahead | None = None):
         self.sites = sites
         self.keep_logits = keep_logits
         self.logits_are_probs = logits_are_probs
+        self.lookahead = lookahead if lookahead and lookahead.depth else None
+        self._norms = _lookahead_norms(sites, self.lookahead)
         self._outputs: list[tuple | None] = [None] * len(sites)
+        self._ahead: list[torch.Tensor | None] = [None] * len(sites)
         self._calls = [0] * len(sites)
         self._handles: list = []
 
     def __enter__(self) -> RouterRecorder:
         for j, site in enumerate(self.sites):
             self._handles.append(site.module.register_forward_hook(self._hook(j)))
+            if self._norms:
+                self._handles.append(site.decoder_layer.register_forward_hook(self._layer_output_hook(j)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -54,6 +96,7 @@ class RouterRecorder:
 
     def reset(self) -> None:
         self._outputs = [None] * len(self.sites)
+        self._ahead = [None] * len(self.sites)
         self._calls = [0] * len(self.sites)
 
     def _hook(self, j: int):
@@ -68,9 +111,9 @@ class RouterRecorder:
                 )
             logits, weights, ids = output
             E, k = site.num_experts, site.top_k
-            logits = logits.detach().reshape(-1, E)
-            if self.logits_are_probs:  # log-softmax: the logits up to a per-token shift
-                logits = torch.log(logits.float())
+            logits = self._as_logits(logits.detach().reshape(-1, E))
+            if self.lookahead and self.lookahead.source == "moe_input":
+                self._ahead[j] = self._routers_ahead(j, args[0])
             weights = weights.detach().reshape(-1, k)
             ids = ids.detach().reshape(-1, k)
             order = rank_order(site, logits, ids)
@@ -81,12 +124,34 @@ class RouterRecorder:
 
         return hook
 
+    def _layer_output_hook(self, j: int):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            self._ahead[j] = self._routers_ahead(j, hidden)
+
+        return hook
+
+    def _as_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router output -> logits; log-softmax when the router returned probabilities (same ranking)."""
+        return torch.log(logits.float()) if self.logits_are_probs else logits
+
+    def _routers_ahead(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
+        """float32[N, D, E]: the routers of MoE layers j+1 .. j+D on ``hidden``; -inf past the last layer."""
+        hidden = hidden.detach().reshape(-1, hidden.shape[-1])
+        depth, n = self.lookahead.depth, hidden.shape[0]
+        ahead = torch.full((n, depth, self.sites[j].num_experts), float("-inf"), device=hidden.device)
+        for d in range(1, min(depth, len(self.sites) - 1 - j) + 1):
+            x = self._norms[j + d](hidden) if self._norms else hidden
+            logits = self.sites[j + d].module.forward(x)[0]  # .forward: the recording hooks stay out
+            ahead[:, d - 1] = self._as_logits(logits.detach().reshape(n, -1))
+        return ahead
+
     def collect(self, num_slots: int) -> StepRouting:
         """Stack the routing of the forward that just ran; reset for the next one.
 
         ``num_slots`` is the number of token slots the forward saw (batch x length).
         """
-        calls, outputs = self._calls, self._outputs
+        calls, outputs, ahead = self._calls, self._outputs, self._ahead
         self.reset()
         bad = [(s.layer_id, c) for s, c in zip(self.sites, calls, strict=True) if c != 1]
         if bad:
@@ -102,7 +167,37 @@ class RouterRecorder:
         experts = torch.stack([o[2] for o in outputs], dim=1)
         weights = torch.stack([o[1] for o in outputs], dim=1).float()
         logits = torch.stack([o[0] for o in outputs], dim=1) if self.keep_logits else None
-        return StepRouting(experts=experts, weights=weights, logits=logits)
+        return StepRouting(experts=experts, weights=weights, logits=logits, lookahead=self._stack_ahead(ahead))
+
+    def _stack_ahead(self, ahead: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """float32[N, L, D, E] from the per-layer look-ahead."""
+        if not self.lookahead:
+            return None
+        missing = [self.sites[j].layer_id for j, a in enumerate(ahead) if a is None]
+        if missing:
+            raise RuntimeError(f"no look-ahead recorded at MoE layers {missing} in this forward")
+        return torch.stack(ahead, dim=1)
+
+
+def check_lookahead_source(source: str) -> None:
+    """Raise InputError unless ``source`` names a hidden state the recorder knows."""
+    if source not in LOOKAHEAD_SOURCES:
+        raise InputError(f"lookahead.source={source} is not valid; choose one of: {', '.join(LOOKAHEAD_SOURCES)}")
+
+
+def _lookahead_norms(sites: list[RouterSite], lookahead: Lookahead | None) -> list | None:
+    """Per MoE layer the norm that ``layer_output`` look-ahead puts before the router, or None."""
+    if lookahead is None:
+        return None
+    check_lookahead_source(lookahead.source)
+    if lookahead.source == "moe_input":
+        return None
+    norms = [getattr(s.decoder_layer, "post_attention_layernorm", None) for s in sites]
+    lacking = [s.name for s, n in zip(sites, norms, strict=True) if n is None]
+    if lacking:
+        raise InputError(f"lookahead.source=layer_output needs a post_attention_layernorm in the decoder "
+                         f"layer of '{lacking[0]}'; use lookahead.source=moe_input")
+    return norms
 
 
 def router_returns_probabilities(model, sites: list[RouterSite]) -> bool:

@@ -1,0 +1,132 @@
+"""The capture's parallel trace writer and the Parquet row-group join under it (no torch needed)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from traces.capture.concat import concat_parquet, read_footer
+from traces.capture.writer import ParallelTraceWriter
+from traces.errors import InputError
+from traces.format import TraceWriter, read_trace
+from traces.synth import synth_trace
+
+
+def trace_columns(tokens=300, seed=0, top_r=6):
+    """A synthetic trace with top-R logits and look-ahead routing, as TraceWriter.write arguments."""
+    meta, chunk = synth_trace(tokens=tokens, layers=3, experts=16, top_k=2, seed=seed, logits="full",
+                              seq_tokens=40, prompt_tokens=5, prompt_share=0.5)
+    meta = replace(meta, logits_top_r=top_r, lookahead_depth=1, lookahead_top_r=4, lookahead_source="moe_input")
+    ahead = np.roll(chunk.logits, -1, axis=1)[:, :, None, :]  # the next layer's logits, as a stand-in
+    ids = np.argsort(-ahead, axis=-1, kind="stable")[..., :4]
+    values = np.take_along_axis(ahead, ids, -1)
+    ids[:, -1], values[:, -1] = -1, -np.inf
+    cols = dict(seq=chunk.seq, pos=chunk.pos, phase=chunk.phase, experts=chunk.experts, weights=chunk.gates,
+                logits=chunk.logits, token_id=chunk.token_id, domain=chunk.domain, nll=chunk.nll,
+                lookahead_logits=values, lookahead_ids=ids)
+    return meta, {k: v for k, v in cols.items() if v is not None}
+
+
+def blocks(cols, cuts):
+    edges = [0, *cuts, cols["seq"].shape[0]]
+    return [{k: v[a:b] for k, v in cols.items()} for a, b in zip(edges, edges[1:], strict=False)]
+
+
+@pytest.mark.parametrize(("unit_tokens", "workers"), [(7, 3), (64, 2), (1000, 1)])
+def test_parallel_writer_writes_what_one_writer_writes(tmp_path, unit_tokens, workers):
+    meta, cols = trace_columns()
+    with TraceWriter(tmp_path / "one.parquet", meta) as writer:
+        writer.write(**cols)
+    with ParallelTraceWriter(tmp_path / "many.parquet", meta, unit_tokens=unit_tokens, workers=workers) as writer:
+        for block in blocks(cols, [3, 50, 51, 200]):
+            writer.write(**block)
+        assert writer.num_tokens == 300
+    one, many = read_trace(tmp_path / "one.parquet"), read_trace(tmp_path / "many.parquet")
+    assert one[0] == many[0] and one[0].lookahead_depth == 1
+    for name in ("seq", "pos", "phase", "group", "experts", "gates", "logits", "lookahead_ids",
+                 "lookahead_logits"):
+        np.testing.assert_array_equal(getattr(one[1], name), getattr(many[1], name), err_msg=name)
+    groups = pq.ParquetFile(tmp_path / "many.parquet").metadata.num_row_groups
+    assert groups == -(-300 // unit_tokens)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.parquet", "one.parquet"]  # no parts left
+
+
+def test_joining_one_file_gives_back_its_bytes(tmp_path):
+    meta, cols = trace_columns(tokens=90, seed=1)
+    for name, m in [("plain", replace(meta, lookahead_depth=0, lookahead_top_r=0, lookahead_source="",
+                                      logits_top_r=0)), ("lookahead", meta)]:
+        path = tmp_path / f"{name}.parquet"
+        with TraceWriter(path, m, row_group_tokens=20) as writer:
+            writer.write(**({k: v for k, v in cols.items() if not k.startswith("lookahead")}
+                            if name == "plain" else cols))
+        concat_parquet([path], tmp_path / f"{name}_joined.parquet")
+        assert (tmp_path / f"{name}_joined.parquet").read_bytes() == path.read_bytes()
+        footer, start = read_footer(path)
+        assert footer.num_rows == 90 * 3 and footer.row_groups[0] == 5
+        md = pq.ParquetFile(path).metadata  # every page offset pyarrow knows is among the varints to shift
+        known = {getattr(md.row_group(g).column(c), name) for g in range(5) for c in range(md.num_columns)
+                 for name in ("data_page_offset", "dictionary_page_offset", "file_offset")} - {None}
+        assert known <= {v for *_, kind, v in footer.holes if kind == "offset"}
+        assert [v for *_, kind, v in footer.holes if kind == "ordinal"] in ([], [0, 1, 2, 3, 4])  # optional
+
+
+def test_joined_file_is_the_parts_one_after_the_other(tmp_path):
+    meta, cols = trace_columns(tokens=120, seed=2)
+    parts = []
+    for i, block in enumerate(blocks(cols, [40, 80])):
+        parts.append(tmp_path / f"part{i}.parquet")
+        with TraceWriter(parts[-1], meta, row_group_tokens=15) as writer:
+            writer.write(**block)
+    concat_parquet(parts, tmp_path / "all.parquet")
+    joined = pq.ParquetFile(tmp_path / "all.parquet")
+    assert joined.metadata.num_row_groups == 9 and joined.metadata.num_rows == 120 * 3
+    assert [joined.metadata.row_group(i).num_rows for i in range(9)] == [45, 45, 30] * 3
+    shift = 0  # each part's pages moved by the bytes of the parts before it
+    for i, part in enumerate(parts):
+        source = pq.ParquetFile(part).metadata
+        for g in range(3):
+            for c in range(source.num_columns):
+                was, now = source.row_group(g).column(c), joined.metadata.row_group(3 * i + g).column(c)
+                assert now.data_page_offset == was.data_page_offset + shift
+                assert now.dictionary_page_offset == (None if was.dictionary_page_offset is None
+                                                      else was.dictionary_page_offset + shift)
+        shift += read_footer(part)[1] - 4
+    tables = [pq.read_table(p) for p in parts]
+    assert joined.read().equals(pa.concat_tables(tables))
+    other = tmp_path / "other.parquet"
+    pq.write_table(pq.read_table(parts[0]).drop_columns(["domain"]), other)
+    with pytest.raises(ValueError, match="schema or metadata differs"):
+        concat_parquet([parts[0], other], tmp_path / "bad.parquet")
+    assert not (tmp_path / "bad.parquet").exists()
+
+
+def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path):
+    meta, cols = trace_columns()
+    cols["logits"] = cols["logits"].copy()
+    cols["logits"][250, 1, 3] = np.nan
+    path = tmp_path / "t.parquet"
+    with pytest.raises(InputError) as caught, ParallelTraceWriter(path, meta, unit_tokens=16, workers=2) as writer:
+        for block in blocks(cols, [100, 200]):
+            writer.write(**block)
+    assert str(caught.value).startswith(f"{path}: column 'logits'") and "NaN" in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_while_writing_leaves_nothing(tmp_path):
+    meta, cols = trace_columns()
+    path = tmp_path / "t.parquet"
+    with pytest.raises(RuntimeError, match="stop"), ParallelTraceWriter(path, meta, unit_tokens=16) as writer:
+        writer.write(**blocks(cols, [100])[0])
+        raise RuntimeError("stop")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_capture_is_an_empty_trace(tmp_path):
+    meta, _ = trace_columns()
+    with ParallelTraceWriter(tmp_path / "t.parquet", meta, unit_tokens=16):
+        pass
+    back, chunk = read_trace(tmp_path / "t.parquet")
+    assert back == meta and chunk.num_tokens == 0

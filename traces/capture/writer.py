@@ -1,0 +1,182 @@
+"""A trace writer that encodes on several threads: the capture's sink, off the model's critical path.
+
+Parquet encoding runs inside pyarrow without the GIL, but one file is written by one thread.
+:class:`ParallelTraceWriter` cuts the stream of recorded tokens into *units* of about one row
+group; worker threads write each unit as a trace file of its own with
+:class:`traces.format.TraceWriter` (so every unit is checked and encoded exactly as a single
+writer would do it), and the unit files are appended to the output in order as soon as all
+earlier ones are done, their bytes copied and their footers merged
+(:class:`traces.capture.concat.ParquetJoin`: nothing is decoded or encoded twice). What is left
+for :meth:`ParallelTraceWriter.close` is the last units and the footer.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from traces.atomic import temp_path
+from traces.capture.concat import ParquetJoin, read_footer
+from traces.errors import InputError
+from traces.format import TraceMeta, TraceWriter
+
+MAX_AUTO_WORKERS = 8
+
+
+def default_workers() -> int:
+    """Encoding threads when not set: half the CPU cores (the rest run the model's host side), 1 to 8."""
+    return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
+
+
+class ParallelTraceWriter:
+    """Writes whole tokens to a trace file like :class:`TraceWriter`, encoding row groups in parallel.
+
+    ``write`` takes what ``TraceWriter.write`` takes, from one thread, in trace order. Tokens are
+    cut into units of ``unit_tokens`` (each becomes one row group) and queued to ``workers``
+    threads; the queue is bounded, so a caller faster than the encoders waits in ``write``.
+    Units and the growing output are hidden files beside ``path``, which the output replaces
+    when ``close`` completes it. An exception inside the ``with`` block, or in a worker, leaves
+    no file at ``path`` and no hidden files.
+    """
+
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None):
+        self.path = Path(path)
+        self.meta = meta
+        meta.check(str(self.path))
+        if not self.path.parent.is_dir():
+            raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
+        if unit_tokens < 1:
+            raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
+        self.unit_tokens = unit_tokens
+        self.workers = workers or default_workers()
+        self.num_tokens = 0
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._pending_tokens = 0
+        self._units: queue.Queue = queue.Queue(maxsize=2 * self.workers)
+        self._tmp = temp_path(self.path)  # the output while it grows
+        self._file = None
+        self._join: ParquetJoin | None = None
+        self._lock = threading.Lock()  # appends to the output, in unit order
+        self._finished: dict[int, tuple] = {}  # unit index -> (file, footer, start), waiting for earlier units
+        self._appended = 0
+        self._queued = 0
+        self._error: BaseException | None = None
+        self._cancelled = False  # workers skip what is still queued
+        self._closed = False
+        self._threads = [threading.Thread(target=self._encode, name=f"trace-encoder-{i}", daemon=True)
+                         for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def write(self, **columns) -> None:
+        """Append tokens (the keyword arguments of ``TraceWriter.write``); re-raises a worker's error."""
+        self._raise_error()
+        cols = {name: np.asarray(v) for name, v in columns.items() if v is not None}
+        n = cols["seq"].shape[0]
+        if not n:
+            return
+        self.num_tokens += n
+        self._pending.append(cols)
+        self._pending_tokens += n
+        if self._pending_tokens >= self.unit_tokens:
+            self._dispatch(final=False)
+
+    def _dispatch(self, final: bool) -> None:
+        """Queue the pending tokens as whole units (and, at the end, the rest as a last unit)."""
+        if not self._pending:
+            return
+        pending = self._pending[0] if len(self._pending) == 1 else {
+            name: np.concatenate([c[name] for c in self._pending]) for name in self._pending[0]}
+        n = pending["seq"].shape[0]
+        whole = n if final else n - n % self.unit_tokens
+        for start in range(0, whole, self.unit_tokens):
+            self._units.put((self._queued, {name: v[start:start + self.unit_tokens] for name, v in pending.items()}))
+            self._queued += 1
+        self._pending = [{name: v[whole:] for name, v in pending.items()}] if whole < n else []
+        self._pending_tokens = n - whole
+
+    def _encode(self) -> None:
+        while (item := self._units.get()) is not None:
+            index, cols = item
+            if self._error is not None or self._cancelled:
+                continue  # drain the queue; close() reports the error
+            part = temp_path(self.path.with_name(f"{self.path.name}.part{index:06d}"))
+            try:
+                with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens) as writer:
+                    writer.write(**cols)
+                self._append_in_order(index, part, *read_footer(part))
+            except InputError as e:  # bad rows: name the file the caller asked for
+                self._error = InputError(str(e).replace(str(part), str(self.path)))
+            except BaseException as e:  # re-raised in the writing thread
+                self._error = e
+
+    def _append_in_order(self, index: int, part: Path, footer, start: int) -> None:
+        """Append every finished unit that comes next (the thread that finishes one does it)."""
+        with self._lock:
+            self._finished[index] = (part, footer, start)
+            while self._appended in self._finished:
+                part, footer, start = self._finished.pop(self._appended)
+                if self._join is None:
+                    self._file = self._tmp.open("wb")
+                    self._join = ParquetJoin(self._file)
+                self._join.append(part, footer, start)
+                part.unlink()
+                self._appended += 1
+
+    def _stop_workers(self) -> None:
+        for _ in self._threads:
+            self._units.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Encode what is pending, finish the output and move it to ``path``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._dispatch(final=True)
+        finally:
+            self._stop_workers()
+        try:
+            self._raise_error()
+            if not self._queued:
+                TraceWriter(self.path, self.meta).close()  # an empty trace: the schema alone
+            else:
+                self._join.finish()
+                self._file.close()
+                os.replace(self._tmp, self.path)
+        finally:
+            self._remove_files()
+
+    def abort(self) -> None:
+        """Drop everything written; ``path`` is left as it was."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = []
+        self._cancelled = True
+        self._stop_workers()
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        """Remove the hidden files: units not appended, and the output unless it was moved to ``path``."""
+        for part, _, _ in self._finished.values():
+            part.unlink(missing_ok=True)
+        self._finished.clear()
+        if self._file is not None:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ParallelTraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        (self.close if exc_type is None else self.abort)()  # an error inside the block: no file
