@@ -460,3 +460,88 @@ def format_check(rows: list[CheckRow]) -> str:
         lines.append(f"{r.scope:<10} {r.fraction:>8.2f} {r.size:>8} {r.real * 100:>6.1f}% "
                      f"{r.synth * 100:>6.1f}% {r.delta * 100:>+6.1f}")
     return "\n".join(lines)
+
+
+def reshape_fit(base: RoutingFit, experts: int, top_k: int, *, model: str, expert_bytes: int,
+                sequences: list[list[int]], popularity_scale: float = 1.0, recency_scale: float = 1.0,
+                source: dict | None = None) -> RoutingFit:
+    """A fit of another shape (same layers) from ``base``: stack positions and popularity ranks
+    keep their share of the experts, deeper gate gaps repeat the base's last one, and the log
+    popularity and log recency weights are multiplied by the two scales (steeper above 1).
+    The domains are dropped (``sequences`` give no domain) and every layer gets ``expert_bytes``.
+    """
+    if top_k > experts or top_k < 1:
+        raise InputError(f"top_k {top_k} must be within 1 .. experts ({experts})")
+    ratio = experts / base.experts
+    edges = np.unique(np.round(np.asarray(base.recency_edges) * ratio).astype(np.int64))
+    source_bin = np.searchsorted(base.recency_edges, edges[:-1] / ratio, side="right") - 1
+    recency = recency_scale * np.asarray(base.recency)[..., source_bin]
+    knots = popularity_ranks(experts)
+    popularity = popularity_scale * np.stack([np.interp(knots / ratio, base.popularity_ranks, row)
+                                              for row in base.popularity])
+    gaps = [base.gate_gaps[min(r, len(base.gate_gaps) - 1)] for r in range(top_k - 1)] if base.gate_gaps else []
+    return RoutingFit(
+        model=model, layers=base.layers, experts=experts, top_k=top_k,
+        expert_bytes=[expert_bytes] * base.layers, dense_bytes=[], layer_ids=list(base.layer_ids),
+        dtype=base.dtype, domains=[], sequences=sequences, recency_edges=edges.tolist(),
+        recency=_rounded(recency), recency_cold=_rounded(recency_scale * np.asarray(base.recency_cold)),
+        popularity_ranks=knots.tolist(), popularity=_rounded(popularity),
+        domain_shift=[0.0] * base.layers, token_types=base.token_types, type_boost=list(base.type_boost),
+        rank_weight=base.rank_weight, gate_levels=list(base.gate_levels), gate_gaps=gaps,
+        logit_level=base.logit_level, tail_scale=base.tail_scale, source=source or {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m traces.fit``: write a fit as JSON (``fit``), or a fit reshaped (``reshape``).
+
+    The bundled presets are made with these (docs/SYNTH.md); ``moe-trace synth --preset FILE``
+    draws from such a file.
+    """
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from traces.atomic import atomic_write_text
+    from traces.errors import EXIT_INPUT_ERROR
+    from traces.format import open_trace
+    from traces.synth import load_preset
+
+    parser = argparse.ArgumentParser(prog="python -m traces.fit", description=main.__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    fit = commands.add_parser("fit", help="fit the routing model to a trace")
+    fit.add_argument("trace", help="real trace (.parquet)")
+    fit.add_argument("out", help="fit to write (.json)")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the calibration (default: 0)")
+    reshape = commands.add_parser("reshape", help="carry a fit over to another shape (reshape_fit)")
+    reshape.add_argument("base", help="fit (.json) or preset name")
+    reshape.add_argument("out", help="fit to write (.json)")
+    for name, kind, text in (("experts", int, "routed experts per layer"), ("top-k", int, "experts per token"),
+                             ("expert-bytes", int, "bytes of one expert"), ("model", str, "model name"),
+                             ("sequence-tokens", int, "tokens of every (decode-only) sequence"),
+                             ("popularity-scale", float, "factor on the log popularity"),
+                             ("recency-scale", float, "factor on the log recency weights")):
+        reshape.add_argument(f"--{name}", type=kind, required=True, help=text)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fit":
+            with open_trace(args.trace) as source:
+                result = fit_routing(source, seed=args.seed, progress=sys.stderr.isatty(), name=args.trace)
+        else:
+            base = load_preset(args.base)
+            result = reshape_fit(
+                base, args.experts, args.top_k, model=args.model, expert_bytes=args.expert_bytes,
+                sequences=[[0, args.sequence_tokens, -1]], popularity_scale=args.popularity_scale,
+                recency_scale=args.recency_scale,
+                source={"reshaped_from": {"fit": Path(args.base).name, **base.source},
+                        "popularity_scale": args.popularity_scale, "recency_scale": args.recency_scale})
+        result.check(args.out)
+        atomic_write_text(args.out, json.dumps(result.to_dict(), indent=1) + "\n")
+    except InputError as exc:
+        print(f"python -m traces.fit: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

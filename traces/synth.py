@@ -89,6 +89,11 @@ def logits_option(value: str, top_k: int, num_experts: int) -> tuple[bool, int]:
                      f"top:R with top_k {top_k} <= R <= experts {num_experts}")
 
 
+def logits_name(has_logits: bool, top_r: int) -> str:
+    """The ``--logits`` value of a trace with this metadata (the inverse of logits_option)."""
+    return "none" if not has_logits else f"top:{top_r}" if top_r else "full"
+
+
 @dataclass(frozen=True)
 class SynthSpec:
     """Every option of a synthetic trace; the trace is a function of these alone."""
@@ -368,9 +373,13 @@ def _logits_below(rng: np.random.Generator, loc: np.ndarray, kth_score: np.ndarr
     The others' scores are Gumbel(``loc`` = log p) truncated below the k-th score; ``to_logit``
     maps scores to logits (monotone increasing).
     """
-    rest16 = to_logit(_truncated_gumbel(rng, loc, kth_score)).astype(np.float16)
-    rest16 = np.minimum(rest16, np.nextafter(top16[:, -1:], np.float16(-np.inf)))
-    np.put_along_axis(rest16, chosen.astype(np.intp), top16, axis=1)
+    return _place_top(to_logit(_truncated_gumbel(rng, loc, kth_score)).astype(np.float16), top16, chosen)
+
+
+def _place_top(rest16: np.ndarray, top16: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """float16[..., E]: ``rest16`` kept strictly below the k-th of ``top16``, which the chosen get."""
+    rest16 = np.minimum(rest16, np.nextafter(top16[..., -1:], np.float16(-np.inf)))
+    np.put_along_axis(rest16, chosen.astype(np.intp), top16, axis=-1)
     return rest16
 
 
@@ -436,14 +445,14 @@ class RoutingFit:
         """A fit from its JSON object, checked; ``where`` names the file in errors."""
         if not isinstance(raw, dict):
             raise InputError(f"{where}: a routing fit must be a JSON object; re-create it with "
-                             "moe-trace synth --like")
+                             "python -m traces.fit")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         missing = sorted(name for name in known - set(raw) if name not in ("source", "version"))
         if unknown or missing:
             name = (unknown or missing)[0]
             raise InputError(f"{where}: routing fit field '{name}' is {'unknown' if unknown else 'missing'}; "
-                             "re-create the fit with moe-trace synth --like")
+                             "re-create the fit with python -m traces.fit")
         fit = cls(**raw)
         fit.check(where)
         return fit
@@ -494,7 +503,7 @@ class RoutingFit:
                 shown = repr(getattr(self, name))
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
                 raise InputError(f"{where}: routing fit field '{name}' is {shown}; it must be {want} "
-                                 "(re-create the fit with moe-trace synth --like)")
+                                 "(re-create the fit with python -m traces.fit)")
 
 
 def _table_shape(rows) -> tuple[int, int]:
@@ -513,12 +522,17 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> RoutingFit:
-    """The bundled fit ``name`` (``moe-trace synth --preset NAME``)."""
-    path = PRESETS_DIR / f"{name}.json"
+    """A bundled fit by name (``traces/synth_presets/NAME.json``), or a fit file (``*.json``)."""
+    path = Path(name) if name.endswith(".json") else PRESETS_DIR / f"{name}.json"
     if not path.is_file():
-        raise InputError(f"synth option 'preset' (--preset) is {name!r}; choose one of: "
-                         f"{', '.join(preset_names()) or '(none bundled)'}")
-    return RoutingFit.from_dict(json.loads(path.read_text()), str(path))
+        raise InputError(f"synth option 'preset' (--preset) is {name!r}: no such fit; give a .json fit "
+                         f"file or one of: {', '.join(preset_names()) or '(none bundled)'}")
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not a JSON routing fit ({' '.join(str(exc).split())}); re-create it "
+                         "with python -m traces.fit") from None
+    return RoutingFit.from_dict(raw, str(path))
 
 
 def fitted_meta(fit: RoutingFit, logits: str, extra: dict | None = None) -> TraceMeta:
@@ -580,8 +594,8 @@ def fitted_blocks(fit: RoutingFit, tokens: int, seed: int, logits: str) -> Itera
         if fit.domains:
             out["domain"] = domain.astype(np.int16)
         if has_logits:
-            out["logits"] = _fitted_logits(_rng(seed, 1, block), fit.tail_scale, chosen, p_chosen, log_p,
-                                           top16, top_r)
+            out["logits"] = _fitted_logits(_rng(seed, 1, block), _hash_key(seed, 1), t, fit.tail_scale,
+                                           chosen, p_chosen, log_p, top16, top_r)
         yield out
 
 
@@ -594,19 +608,16 @@ def _quantile_draws(rng: np.random.Generator, levels: list[float], quantiles: li
     return u
 
 
-def _fitted_logits(rng, tail_scale, chosen, p_chosen, log_p, top16, top_r) -> np.ndarray:
-    """float16[T, L, E]: logits of the fitted model; unselected ones continue below the k-th."""
+def _fitted_logits(rng, key, tokens, tail_scale, chosen, p_chosen, log_p, top16, top_r) -> np.ndarray:
+    """float16[T, L, E]: logits of the fitted model; unselected ones continue below the k-th.
+
+    ``log_p`` (float32[T, L, E]) is overwritten with the unselected experts' logits.
+    """
     b, L, k = chosen.shape
     scores = _chain_scores(rng, p_chosen.reshape(b * L, k)).reshape(b, L, k)
-    logits = np.empty(log_p.shape, dtype=np.float16)
-    for layer in range(L):
-        kth_score = scores[:, layer, -1:]
-        kth_logit = top16[:, layer, -1:].astype(np.float64)
-        logits[:, layer, :] = _logits_below(
-            rng, log_p[:, layer, :], kth_score, top16[:, layer], chosen[:, layer],
-            lambda rest, kth_score=kth_score, kth_logit=kth_logit:
-                kth_logit + tail_scale * (rest - kth_score))
-    return _keep_top(logits, top_r)
+    _scores_below(log_p, scores[..., -1], top16[..., -1].astype(np.float64), tail_scale, key,
+                  np.ascontiguousarray(tokens, dtype=np.int64))
+    return _keep_top(_place_top(log_p.astype(np.float16), top16, chosen), top_r)
 
 
 class SequenceLayout:
@@ -893,3 +904,24 @@ def _route(tokens, phase, domain, w, favourites, boost, kappa, kappa_cold, rank_
                     log_p[t, layer, x] = np.log(q[x] / total)
             for r in range(k):
                 _touch(stack, pos, used, layer, chosen[t, layer, r])
+
+
+@jit(allocates=False)
+def _scores_below(log_p, kth_score, kth_logit, tail_scale, key, tokens):
+    """Turn log p (float32[T, L, E], in place) into the logits of experts scoring below the k-th.
+
+    An expert's perturbed score is Gumbel(log p) truncated below the k-th score (inverse CDF at a
+    hashed uniform); its logit is ``kth_logit + tail_scale * (score - kth_score)``. The chosen
+    experts' entries are overwritten afterwards.
+    """
+    T, L, E = log_p.shape
+    for t in range(T):
+        h_token = _mix(key ^ np.uint64(tokens[t]))
+        for layer in range(L):
+            h_layer = _mix(h_token ^ np.uint64(layer))
+            below, base = kth_score[t, layer], kth_logit[t, layer]
+            for x in range(E):
+                loc = np.float64(log_p[t, layer, x])
+                u = max(_uniform(_mix(h_layer ^ np.uint64(x))), 1e-300)
+                score = loc - math.log(math.exp(loc - below) - math.log(u))
+                log_p[t, layer, x] = base + tail_scale * (score - below)
