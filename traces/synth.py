@@ -594,8 +594,8 @@ def fitted_blocks(fit: RoutingFit, tokens: int, seed: int, logits: str) -> Itera
         if fit.domains:
             out["domain"] = domain.astype(np.int16)
         if has_logits:
-            out["logits"] = _fitted_logits(_rng(seed, 1, block), _hash_key(seed, 1), t, fit.tail_scale,
-                                           chosen, p_chosen, log_p, top16, top_r)
+            out["logits"] = _fitted_logits(_hash_key(seed, 1), t, fit.tail_scale, chosen, p_chosen, log_p,
+                                           top16, top_r)
         yield out
 
 
@@ -608,14 +608,12 @@ def _quantile_draws(rng: np.random.Generator, levels: list[float], quantiles: li
     return u
 
 
-def _fitted_logits(rng, key, tokens, tail_scale, chosen, p_chosen, log_p, top16, top_r) -> np.ndarray:
+def _fitted_logits(key, tokens, tail_scale, chosen, p_chosen, log_p, top16, top_r) -> np.ndarray:
     """float16[T, L, E]: logits of the fitted model; unselected ones continue below the k-th.
 
     ``log_p`` (float32[T, L, E]) is overwritten with the unselected experts' logits.
     """
-    b, L, k = chosen.shape
-    scores = _chain_scores(rng, p_chosen.reshape(b * L, k)).reshape(b, L, k)
-    _scores_below(log_p, scores[..., -1], top16[..., -1].astype(np.float64), tail_scale, key,
+    _scores_below(log_p, p_chosen, top16[..., -1].astype(np.float64), tail_scale, key,
                   np.ascontiguousarray(tokens, dtype=np.int64))
     return _keep_top(_place_top(log_p.astype(np.float16), top16, chosen), top_r)
 
@@ -907,19 +905,33 @@ def _route(tokens, phase, domain, w, favourites, boost, kappa, kappa_cold, rank_
 
 
 @jit(allocates=False)
-def _scores_below(log_p, kth_score, kth_logit, tail_scale, key, tokens):
+def _scores_below(log_p, p_chosen, kth_logit, tail_scale, key, tokens):
     """Turn log p (float32[T, L, E], in place) into the logits of experts scoring below the k-th.
 
-    An expert's perturbed score is Gumbel(log p) truncated below the k-th score (inverse CDF at a
-    hashed uniform); its logit is ``kth_logit + tail_scale * (score - kth_score)``. The chosen
-    experts' entries are overwritten afterwards.
+    The perturbed scores (log p + Gumbel) of the k drawn experts follow the chain of
+    :func:`_chain_scores` (``p_chosen``: p of each draw, in draw order); every other expert's
+    score is Gumbel(log p) truncated below the k-th score; its logit is
+    ``kth_logit + tail_scale * (score - kth_score)``. Uniforms are hashed from the token index,
+    so a token's logits do not depend on its block. The chosen experts' entries are
+    overwritten afterwards.
     """
     T, L, E = log_p.shape
+    k = p_chosen.shape[2]
     for t in range(T):
         h_token = _mix(key ^ np.uint64(tokens[t]))
         for layer in range(L):
             h_layer = _mix(h_token ^ np.uint64(layer))
-            below, base = kth_score[t, layer], kth_logit[t, layer]
+            left = 1.0
+            below = 0.0
+            for j in range(k):
+                u = max(_uniform(_mix(h_layer ^ np.uint64(E + j))), 1e-300)
+                if j == 0:
+                    below = -math.log(-math.log(u))
+                else:
+                    loc = math.log(max(left, 1e-300))
+                    below = loc - math.log(math.exp(loc - below) - math.log(u))
+                left -= p_chosen[t, layer, j]
+            base = kth_logit[t, layer]
             for x in range(E):
                 loc = np.float64(log_p[t, layer, x])
                 u = max(_uniform(_mix(h_layer ^ np.uint64(x))), 1e-300)
