@@ -46,7 +46,7 @@ def known_fit() -> RoutingFit:
         recency=[[recency] * L] * 2, recency_cold=[[-5.0] * L] * 2, popularity_ranks=knots.tolist(),
         popularity=[(-np.log1p(knots)).tolist()] * L, domain_shift=[0.5] * L, token_types=32,
         type_boost=[2.0] * L, rank_weight=0.5, gate_levels=[0.0, 0.25, 0.5, 0.75, 1.0],
-        gate_gaps=[[0.1, 0.4, 0.7, 1.0, 2.0]] * (K - 1), logit_level=1.0, tail_scale=0.5)
+        gate_gaps=[[0.1, 0.4, 0.7, 1.0, 2.0]] * (K - 1), logit_level=1.0, tail_scale=0.5, structure_seed=7)
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,6 @@ def sequence_table(real: RealTrace) -> list[list[int]]:
     start = np.flatnonzero(np.diff(real.seq, prepend=real.seq[0] - 1))
     length = np.diff(np.append(start, real.seq.shape[0]))
     prompt = np.add.reduceat((real.phase == PHASE_PREFILL).astype(np.int64), start)
-    prompt = np.minimum(prompt, length - 1)  # a sequence keeps at least one decode token
     table = np.stack([prompt, length, real.domain[start]], axis=1)
     if table.shape[0] > MAX_SEQUENCES:
         table = table[np.linspace(0, table.shape[0] - 1, MAX_SEQUENCES).round().astype(np.int64)]
@@ -298,6 +297,7 @@ def fit_routing(source, seed: int = 0, rounds: int = CALIBRATION_ROUNDS, progres
             rank_weight=round(rank_weight, 5),
             gate_levels=list(GATE_LEVELS), gate_gaps=gaps,
             logit_level=round(real.first_logit or 0.0, 5), tail_scale=round(tail_scale, 5),
+            structure_seed=seed,
             source={"trace": name, "model": meta.model, "tokens": int(real.seq.shape[0]),
                     "calibration_tokens": window, "replicas": replicas, "rounds": rounds,
                     "seed": seed, **(check or {})})
@@ -347,7 +347,7 @@ def simulate_stats(fit: RoutingFit, layout: Layout, replicas: int, seed: int,
     t = np.arange(domain.shape[0])
     model = RoutingModel(fit, seed)
     for r in range(replicas):
-        model.reset(stream=r)
+        model.reset(stream=1 + r)  # stream 0 is what a trace of this seed draws: keep the check out of sample
         experts[r], _, _ = model.route(t, layout.phase, domain)
         position[r] = stack_positions(experts[r], fit.experts, layout.group)
     return routing_stats(experts, position, layout, fit.experts, edges), model.rank_of
@@ -488,7 +488,8 @@ def reshape_fit(base: RoutingFit, experts: int, top_k: int, *, model: str, exper
         popularity_ranks=knots.tolist(), popularity=_rounded(popularity),
         domain_shift=[0.0] * base.layers, token_types=base.token_types, type_boost=list(base.type_boost),
         rank_weight=base.rank_weight, gate_levels=list(base.gate_levels), gate_gaps=gaps,
-        logit_level=base.logit_level, tail_scale=base.tail_scale, source=source or {})
+        logit_level=base.logit_level, tail_scale=base.tail_scale, structure_seed=base.structure_seed,
+        source=source or {})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,22 +27,26 @@ MoE layer:
 ``moe-trace synth --like`` / ``--preset``; docs/SYNTH.md): every layer keeps the LRU stack of
 its experts (most recently selected first), and at every token
 
-    p(x) ~ popularity(x | domain) * type(x | token type) * recency(stack position of x)
+    p(x) ~ popularity(x | domain) * favourite(x | token type) * recency(stack position of x)
 
-where the popularity is a fitted rank-frequency curve over an order of the experts, times
-per-domain log-normal offsets, and the recency weight a fitted step function
-of the stack position (and one weight for experts never selected yet). A token's type (one of
-``token_types``, uniform, independent between tokens) is shared by all its layers and gives its
-``top_k`` favourite experts of every layer the factor ``e^type_boost``: that is the
-co-activation across layers (real routing follows the token's hidden state at every layer, so
-layer l - 2 predicts layer l about as well as layer l - 1 does). Gates follow fitted per-rank distributions of the logit gaps
-``log g_r - log g_(r+1)``; unselected logits continue below the k-th at a fitted scale. The
-sequence layout (prompt and decode lengths, domains) repeats the real trace's sequences.
+- the popularity is a fitted rank-frequency curve over an order of the experts, times
+  per-domain log-normal factors (offsets to the log popularity of fitted std ``domain_shift``);
+- a token's type (one of ``token_types``, uniform, independent between tokens) is shared by all
+  its layers and gives its ``top_k`` favourite experts of every layer the factor
+  ``e^type_boost``: the co-activation across layers (real routing follows the token at every
+  layer, so layer l - 2 predicts layer l about as well as layer l - 1 does);
+- the recency weight is a fitted step function of the stack position, with one weight for
+  experts not selected yet, separately for prefill and decode tokens;
+- the k experts drawn are ranked by ``rank_weight * log(popularity * recency) + Gumbel``;
+- gates follow fitted per-rank distributions of the logit gaps ``log g_r - log g_(r+1)``, and
+  unselected logits continue below the k-th at a fitted scale (``tail_scale``);
+- the sequence layout (prompt and decode lengths, domains) repeats the real trace's sequences.
 
 Tokens are generated in blocks of ``BLOCK_TOKENS`` from per-block random streams and hashed
-uniforms, so a trace depends only on its options (not on how it is written), the first N tokens
-of a longer trace are the N-token trace, and a block with or without logits selects the same
-experts with the same gates. Memory is bounded by a block (the fitted model's stacks carry over).
+uniforms, so a trace depends only on its options (not on how it is written), and a block with or
+without logits selects the same experts with the same gates. Memory is bounded by a block (the
+fitted model's stacks carry over); the first N tokens of a longer fitted trace are the N-token
+trace.
 """
 from __future__ import annotations
 
@@ -434,6 +438,8 @@ class RoutingFit:
     gate_gaps: list[list[float]]  # [k - 1][levels] quantiles of logit gap rank r -> r + 1
     logit_level: float  # the first choice's router logit
     tail_scale: float  # logits below the k-th: logit units per unit of perturbed log p
+    structure_seed: int  # seed of the fixed draws the weights were fitted with: the popularity
+    # order, domain offsets and token types' favourites (a trace's own seed draws its tokens)
     source: dict = field(default_factory=dict)  # provenance and the fit's own check
     version: int = FIT_VERSION
 
@@ -471,8 +477,8 @@ class RoutingFit:
             ("dense_bytes", len(self.dense_bytes) in (0, L), f"0 or {L} entries"),
             ("layer_ids", len(self.layer_ids) in (0, L), f"0 or {L} entries"),
             ("sequences", len(self.sequences) >= 1 and all(
-                len(s) == 3 and 0 <= s[0] < s[1] and -1 <= s[2] < max(1, len(self.domains))
-                for s in self.sequences), "[prompt < tokens, domain] triples"),
+                len(s) == 3 and 0 <= s[0] <= s[1] and s[1] >= 1 and -1 <= s[2] < max(1, len(self.domains))
+                for s in self.sequences), "[prompt <= tokens >= 1, domain] triples"),
             ("recency_edges", bins >= 1 and self.recency_edges[0] == 0 and self.recency_edges[-1] == E
              and all(a < b for a, b in zip(self.recency_edges, self.recency_edges[1:], strict=False)),
              f"increasing positions from 0 to experts ({E})"),
@@ -495,6 +501,7 @@ class RoutingFit:
                 0 <= a <= b for row in self.gate_gaps for a, b in zip(row, row[1:], strict=False)),
              f"{k - 1} rows of non-decreasing gaps >= 0"),
             ("tail_scale", self.tail_scale > 0, "> 0"),
+            ("structure_seed", self.structure_seed >= 0, ">= 0"),
         ]
         for name, ok, want in rules:
             values = np.asarray(getattr(self, name), dtype=object).ravel()
@@ -581,7 +588,7 @@ def fitted_blocks(fit: RoutingFit, tokens: int, seed: int, logits: str) -> Itera
     for block, t0 in enumerate(range(0, tokens, BLOCK_TOKENS)):
         t = np.arange(t0, min(t0 + BLOCK_TOKENS, tokens))
         seq, pos, phase, domain = layout.at(t)
-        chosen, p_chosen, log_p = router.route(t, phase, np.maximum(domain, 0), log_p=has_logits)
+        chosen, p_chosen, p_all = router.route(t, phase, np.maximum(domain, 0), p_all=has_logits)
         b, L, k = chosen.shape
         rng = _rng(seed, 0, block)
         gaps = _quantile_draws(rng, fit.gate_levels, fit.gate_gaps, (b, L))
@@ -594,7 +601,7 @@ def fitted_blocks(fit: RoutingFit, tokens: int, seed: int, logits: str) -> Itera
         if fit.domains:
             out["domain"] = domain.astype(np.int16)
         if has_logits:
-            out["logits"] = _fitted_logits(_hash_key(seed, 1), t, fit.tail_scale, chosen, p_chosen, log_p,
+            out["logits"] = _fitted_logits(_hash_key(seed, 1), t, fit.tail_scale, chosen, p_chosen, p_all,
                                            top16, top_r)
         yield out
 
@@ -608,14 +615,14 @@ def _quantile_draws(rng: np.random.Generator, levels: list[float], quantiles: li
     return u
 
 
-def _fitted_logits(key, tokens, tail_scale, chosen, p_chosen, log_p, top16, top_r) -> np.ndarray:
+def _fitted_logits(key, tokens, tail_scale, chosen, p_chosen, p_all, top16, top_r) -> np.ndarray:
     """float16[T, L, E]: logits of the fitted model; unselected ones continue below the k-th.
 
-    ``log_p`` (float32[T, L, E]) is overwritten with the unselected experts' logits.
+    ``p_all`` (float32[T, L, E], p of every expert) is overwritten with the unselected logits.
     """
-    _scores_below(log_p, p_chosen, top16[..., -1].astype(np.float64), tail_scale, key,
+    _scores_below(p_all, p_chosen, top16[..., -1].astype(np.float64), tail_scale, key,
                   np.ascontiguousarray(tokens, dtype=np.int64))
-    return _keep_top(_place_top(log_p.astype(np.float16), top16, chosen), top_r)
+    return _keep_top(_place_top(p_all.astype(np.float16), top16, chosen), top_r)
 
 
 class SequenceLayout:
@@ -642,13 +649,14 @@ class RoutingModel:
 
     ``route`` continues the process over the next tokens (stacks carry over between calls);
     uniforms are hashed from (seed, stream, token index, layer, draw), so a token's routing
-    depends only on the tokens before it. ``reset(stream)`` starts an independent replica of the
-    same structure (favourites, popularity order, domain offsets), as the fitting needs.
+    depends only on the tokens before it. The structure (popularity order, domain offsets,
+    favourites) comes from ``fit.structure_seed``: the fitted weights belong to it.
+    ``reset(stream)`` starts an independent replica, as the fitting needs.
     """
 
     def __init__(self, fit: RoutingFit, seed: int):
         L, E, k = fit.layers, fit.experts, fit.top_k
-        rng = _rng(seed, 2)
+        rng = _rng(fit.structure_seed, 2)
         # each token type's top_k favourite experts per layer (distinct, uniform); the experts
         # most types favour take the top popularity ranks, so that ranks stay what they say
         self.favourites = np.argsort(rng.random((L, fit.token_types, E)), axis=-1)[..., :k].astype(np.int16)
@@ -658,7 +666,7 @@ class RoutingModel:
         base = np.stack([np.interp(self.rank_of[layer], fit.popularity_ranks, fit.popularity[layer])
                          for layer in range(L)])
         domains = max(1, len(fit.domains))
-        shift = np.asarray(fit.domain_shift)[:, None, None] * (rng.random((L, domains, E)) - 0.5) * 12**0.5
+        shift = np.asarray(fit.domain_shift)[:, None, None] * rng.standard_normal((L, domains, E))
         log_w = base[:, None, :] + shift
         # weights are kept within e^-WEIGHT_RANGE of the largest, so that no p underflows to 0
         self.w = np.exp(np.maximum(log_w - log_w.max(axis=-1, keepdims=True), -WEIGHT_RANGE))
@@ -682,23 +690,23 @@ class RoutingModel:
         self.pos = self.stack.copy()
         self.used = np.zeros(L, dtype=np.int32)
 
-    def route(self, tokens: np.ndarray, phase: np.ndarray, domain: np.ndarray, log_p: bool = False):
+    def route(self, tokens: np.ndarray, phase: np.ndarray, domain: np.ndarray, p_all: bool = False):
         """Select the experts of the next tokens: global indices ``tokens``, their phases and domain
         indices (recency weights are per phase: a prompt reuses experts unlike generated text).
 
         Returns chosen int16[T, L, k] (rank order), p_chosen float64[T, L, k] (p of the j-th
         expert drawn, in draw order: the chain of perturbed scores needs it) and, with
-        ``log_p``, float32[T, L, E] log p (else empty).
+        ``p_all``, float32[T, L, E] p of every expert (else empty).
         """
         T, (_, L, E), k = tokens.shape[0], self.kappa.shape, self.top_k
         chosen = np.empty((T, L, k), dtype=np.int16)
         p_chosen = np.empty((T, L, k), dtype=np.float64)
-        log_p_out = np.empty((T if log_p else 0, L, E), dtype=np.float32)
+        p_out = np.empty((T if p_all else 0, L, E), dtype=np.float32)
         _route(np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(phase, dtype=np.int64),
                np.ascontiguousarray(domain, dtype=np.int64),
                self.w, self.favourites, self.boost, self.kappa, self.kappa_cold, self.rank_weight, self.key,
-               self.stack, self.pos, self.used, chosen, p_chosen, log_p_out)
-        return chosen, p_chosen, log_p_out
+               self.stack, self.pos, self.used, chosen, p_chosen, p_out)
+        return chosen, p_chosen, p_out
 
 
 FIRST_USE = -1  # stack position of an expert never selected before
@@ -821,7 +829,7 @@ REDRAWS = 4  # rejected draws in a row after which a pick re-normalises over the
 
 @jit
 def _route(tokens, phase, domain, w, favourites, boost, kappa, kappa_cold, rank_weight, key, stack, pos,
-           used, chosen, p_chosen, log_p):
+           used, chosen, p_chosen, p_all):
     """The fitted model's selections for consecutive tokens (see RoutingModel.route).
 
     A token's type is uniform over ``favourites.shape[1]``; at every layer the type's
@@ -897,16 +905,16 @@ def _route(tokens, phase, domain, w, favourites, boost, kappa, kappa_cold, rank_
                 score[r], score[best] = score[best], score[r]
                 drawn[r], drawn[best] = drawn[best], drawn[r]
                 chosen[t, layer, r] = drawn[r]
-            if log_p.shape[0]:
+            if p_all.shape[0]:
                 for x in range(E):
-                    log_p[t, layer, x] = np.log(q[x] / total)
+                    p_all[t, layer, x] = q[x] / total
             for r in range(k):
                 _touch(stack, pos, used, layer, chosen[t, layer, r])
 
 
 @jit(allocates=False)
-def _scores_below(log_p, p_chosen, kth_logit, tail_scale, key, tokens):
-    """Turn log p (float32[T, L, E], in place) into the logits of experts scoring below the k-th.
+def _scores_below(p_all, p_chosen, kth_logit, tail_scale, key, tokens):
+    """Turn p (float32[T, L, E], in place) into the logits of experts scoring below the k-th.
 
     The perturbed scores (log p + Gumbel) of the k drawn experts follow the chain of
     :func:`_chain_scores` (``p_chosen``: p of each draw, in draw order); every other expert's
@@ -915,7 +923,7 @@ def _scores_below(log_p, p_chosen, kth_logit, tail_scale, key, tokens):
     so a token's logits do not depend on its block. The chosen experts' entries are
     overwritten afterwards.
     """
-    T, L, E = log_p.shape
+    T, L, E = p_all.shape
     k = p_chosen.shape[2]
     for t in range(T):
         h_token = _mix(key ^ np.uint64(tokens[t]))
@@ -931,9 +939,10 @@ def _scores_below(log_p, p_chosen, kth_logit, tail_scale, key, tokens):
                     loc = math.log(max(left, 1e-300))
                     below = loc - math.log(math.exp(loc - below) - math.log(u))
                 left -= p_chosen[t, layer, j]
-            base = kth_logit[t, layer]
+            base, scale_below = kth_logit[t, layer], math.exp(-below)
             for x in range(E):
-                loc = np.float64(log_p[t, layer, x])
+                p = max(np.float64(p_all[t, layer, x]), 1e-300)
                 u = max(_uniform(_mix(h_layer ^ np.uint64(x))), 1e-300)
-                score = loc - math.log(math.exp(loc - below) - math.log(u))
-                log_p[t, layer, x] = base + tail_scale * (score - below)
+                # Gumbel(log p) below the k-th score, by inverse CDF: e^(loc - below) = p e^-below
+                score = math.log(p) - math.log(p * scale_below - math.log(u))
+                p_all[t, layer, x] = base + tail_scale * (score - below)
