@@ -333,7 +333,12 @@ def fit_routing(source, seed: int = 0, rounds: int = CALIBRATION_ROUNDS, progres
     hit_sim = np.cumsum(sim.positions[checked, :, :-1].sum(axis=0)) / sim.positions[checked].sum()
     check = {"max_position_cdf_delta": round(float(np.abs(hit_real - hit_sim).max()), 5),
              "tail_gap": round(target_gap, 5), "tail_gap_from": "logits" if real.tail_gap is not None
-             else "gates"}
+             else "gates",
+             # how far the structure parameters reached their targets (simulated / real)
+             "cross_mi_ratio": round(float(sim.cross_mi[1:].sum() / max(target.cross_mi[1:].sum(), 1e-12)), 3),
+             "domain_mi_ratio": round(float(sim.domain_mi.sum() / target.domain_mi.sum()), 3)
+             if len(domains) > 1 else None,
+             "rank_slope": [round(_rank_slope(target), 4), round(_rank_slope(sim), 4)]}
     return make(tail_scale, check)
 
 
