@@ -278,7 +278,8 @@ def fit_routing(source, seed: int = 0, rounds: int = CALIBRATION_ROUNDS, progres
     cut = _knot_windows(knots, E)
     ranked = np.add.reduceat(target.ranked_calls, cut[:-1], axis=1) / np.diff(cut)
     popularity = np.log(ranked + PSEUDO_COUNT / E)
-    shift = np.full(L, 0.3 if len(domains) > 1 else 0.0)
+    topical = np.unique(layout.domain).size > 1  # domain offsets can only be fitted across domains
+    shift = np.full(L, 0.3 if topical else 0.0)
     boost = np.full(L, 1.0)
     rank_weight = 1.0
     gaps = gate_gap_quantiles(real.gates)
@@ -316,7 +317,7 @@ def fit_routing(source, seed: int = 0, rounds: int = CALIBRATION_ROUNDS, progres
         recency, cold = recency - top[..., None], cold - top
         if round_ >= rounds - POLISH_ROUNDS:
             continue  # the last rounds settle recency and popularity under fixed structure
-        if len(domains) > 1:
+        if topical:
             shift = np.clip(shift * np.sqrt(_ratio(target.domain_mi, sim.domain_mi)), 0.0, MAX_SHIFT)
         rank_weight = float(np.clip(rank_weight + RANK_STEP * (_rank_slope(target) - _rank_slope(sim)),
                                     0.0, MAX_RANK_WEIGHT))
@@ -337,7 +338,7 @@ def fit_routing(source, seed: int = 0, rounds: int = CALIBRATION_ROUNDS, progres
              # how far the structure parameters reached their targets (simulated / real)
              "cross_mi_ratio": round(float(sim.cross_mi[1:].sum() / max(target.cross_mi[1:].sum(), 1e-12)), 3),
              "domain_mi_ratio": round(float(sim.domain_mi.sum() / target.domain_mi.sum()), 3)
-             if len(domains) > 1 else None,
+             if topical else None,
              "rank_slope": [round(_rank_slope(target), 4), round(_rank_slope(sim), 4)]}
     return make(tail_scale, check)
 
