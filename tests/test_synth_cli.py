@@ -69,6 +69,8 @@ def test_preset(tmp_path, capsys):
     (["--tokens", "5", "--check"], "needs --like"),
     (["--tokens", "5"], "'layers' (--layers) is missing"),
     (["--like", "{real}", "--tokens", "5", "--logits", "top:1"], "'logits' (--logits)"),
+    (["--like", "{real}", "--tokens", "0"], "'tokens' (--tokens) is 0"),
+    (["--preset", "qwen3_next_paper", "--tokens", "5", "--seed", "-1"], "'seed' (--seed) is -1"),
 ])
 def test_bad_options_exit_2_with_one_line_and_write_nothing(plain_real, tmp_path, capsys, args, words):
     out = tmp_path / "o.parquet"

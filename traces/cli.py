@@ -26,8 +26,10 @@ from traces.format import PHASE_DECODE, PHASE_PREFILL, ArraySource, open_trace, 
 from traces.importers.route_csv import import_route_csv, is_route_csv, load_route_csv
 from traces.synth import (
     SynthSpec,
+    check_draw,
     load_preset,
     logits_name,
+    logits_option,
     preset_names,
     write_fitted_trace,
     write_synth_trace,
@@ -148,14 +150,17 @@ def _synth_fitted(args: argparse.Namespace, given: dict) -> None:
     if "tokens" not in given:
         raise InputError("synth option 'tokens' (--tokens) is missing; give the tokens to draw")
     tokens, seed = given["tokens"], given.get("seed", 0)
+    check_draw(tokens, seed)
     if args.preset:
         fit, logits, origin = load_preset(args.preset), given.get("logits", "full"), {"preset": args.preset}
     else:
         from traces.fit import fit_routing
 
         with open_trace(args.like) as real:
+            meta = real.meta
+            logits = given.get("logits", logits_name(meta.has_logits, meta.logits_top_r))
+            logits_option(logits, meta.top_k, meta.num_experts)  # bad options stop before the fit
             fit = fit_routing(real, progress=_progress(), name=args.like)
-            logits = given.get("logits", logits_name(real.meta.has_logits, real.meta.logits_top_r))
         origin = {"like": args.like}
     write_fitted_trace(args.out, fit, tokens, seed, logits, progress=_progress(),
                        extra={"synth": {**origin, "tokens": tokens, "seed": seed, "logits": logits}})
@@ -171,7 +176,9 @@ def _print_check(real_path: str, synth_path: str, table: bool) -> None:
         tokens, rows = mrc_check(real, synth)
     if table:
         print(format_check(rows))
-    gaps = ", ".join(f"{max_delta(rows, scope) * 100:.1f} pp {scope}" for scope in ("per_layer", "global"))
+    deltas = {scope: max_delta(rows, scope) for scope in ("per_layer", "global")}
+    gaps = (", ".join(f"{d * 100:.1f} pp {scope}" for scope, d in deltas.items())
+            if all(math.isfinite(d) for d in deltas.values()) else "n/a (no decode lookups)")
     print(f"mrc check: {synth_path} vs {real_path}, first {tokens:,} tokens (decode lookups, LRU, cold "
           f"start): max |delta hit rate| {gaps} over fractions {CHECK_FRACTIONS[0]:.2f}..{CHECK_FRACTIONS[-1]:.2f}")
 

@@ -542,6 +542,13 @@ def load_preset(name: str) -> RoutingFit:
     return RoutingFit.from_dict(raw, str(path))
 
 
+def check_draw(tokens: int, seed: int) -> None:
+    """Raise InputError unless a fitted trace of ``tokens`` tokens and ``seed`` can be drawn."""
+    for name, value, least in (("tokens", tokens, 1), ("seed", seed, 0)):
+        if value < least:
+            raise InputError(f"synth option '{name}' (--{name}) is {value}; it must be >= {least}")
+
+
 def fitted_meta(fit: RoutingFit, logits: str, extra: dict | None = None) -> TraceMeta:
     """The metadata of a trace drawn from ``fit``; ``extra.fit`` records the parameters."""
     has_logits, top_r = logits_option(logits, fit.top_k, fit.experts)
@@ -565,6 +572,7 @@ def fitted_meta(fit: RoutingFit, logits: str, extra: dict | None = None) -> Trac
 def fitted_trace(fit: RoutingFit, tokens: int, seed: int, logits: str = "full",
                  extra: dict | None = None) -> tuple[TraceMeta, TraceChunk]:
     """A trace of ``tokens`` tokens drawn from ``fit``, in memory: (meta, one chunk)."""
+    check_draw(tokens, seed)
     return _in_memory(fitted_meta(fit, logits, extra), fitted_blocks(fit, tokens, seed, logits))
 
 
@@ -572,15 +580,14 @@ def write_fitted_trace(path: str | os.PathLike, fit: RoutingFit, tokens: int, se
                        logits: str = "full", extra: dict | None = None,
                        progress: bool = False) -> TraceMeta:
     """Draw ``tokens`` tokens from ``fit`` and write them block by block; returns the meta."""
+    check_draw(tokens, seed)
     meta = fitted_meta(fit, logits, extra)
     return _write(path, meta, fitted_blocks(fit, tokens, seed, logits), tokens, progress)
 
 
 def fitted_blocks(fit: RoutingFit, tokens: int, seed: int, logits: str) -> Iterator[dict[str, np.ndarray]]:
     """Token arrays (the TraceWriter.write keywords) of consecutive blocks of BLOCK_TOKENS."""
-    if tokens < 1 or seed < 0:
-        raise InputError(f"synth option '{'tokens' if tokens < 1 else 'seed'}' is "
-                         f"{tokens if tokens < 1 else seed}; it must be >= {1 if tokens < 1 else 0}")
+    check_draw(tokens, seed)
     has_logits, top_r = logits_option(logits, fit.top_k, fit.experts)
     router = RoutingModel(fit, seed)
     layout = SequenceLayout(fit.sequences)
