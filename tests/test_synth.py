@@ -211,3 +211,11 @@ def test_bad_logits_option_names_it(value):
 def test_parametric_top_r_logits():
     meta, chunk = synth_trace(tokens=300, layers=2, experts=16, top_k=2, seed=1, logits="top:5")
     assert meta.logits_top_r == 5 and (np.isfinite(chunk.logits).sum(axis=-1) == 5).all()
+
+
+def test_fitted_top_k_equal_to_experts_and_steep_weights_terminate():
+    fit = reshape_fit(load_preset("qwen3_30b_a3b_route"), 6, 6, model="all", expert_bytes=10,
+                      sequences=[[3, 40, -1]], popularity_scale=5.0, recency_scale=5.0)
+    _, chunk = fitted_trace(fit, 100, seed=0, logits="full")
+    assert (np.sort(chunk.experts, axis=-1) == np.arange(6)).all()
+    np.testing.assert_array_equal(np.argsort(-chunk.logits, axis=-1, kind="stable"), chunk.experts)

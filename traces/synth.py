@@ -652,7 +652,7 @@ class SequenceLayout:
 
 
 class RoutingModel:
-    """The fitted model's selection process: per layer an LRU stack, p = popularity x recency.
+    """The fitted model's selection process: per layer an LRU stack, p = popularity x favourite x recency.
 
     ``route`` continues the process over the next tokens (stacks carry over between calls);
     uniforms are hashed from (seed, stream, token index, layer, draw), so a token's routing
