@@ -54,7 +54,8 @@ def test_check_prints_the_table(plain_real, tmp_path, capsys):
 
 def test_preset(tmp_path, capsys):
     out = tmp_path / "p.parquet"
-    assert main(["synth", str(out), "--preset", "qwen3_30b_a3b_route", "--tokens", "50", "--logits", "top:8"]) == 0
+    assert main(["synth", str(out), "--preset", "qwen3_30b_a3b_route", "--tokens", "50",
+                 "--logits", "top:8"]) == 0
     assert capsys.readouterr().out == ""
     meta, chunk = read_trace(out)
     assert (meta.num_layers, meta.num_experts, meta.top_k, meta.logits_top_r) == (48, 128, 6, 8)

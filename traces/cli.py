@@ -179,8 +179,9 @@ def _print_check(real_path: str, synth_path: str, table: bool) -> None:
     deltas = {scope: max_delta(rows, scope) for scope in ("per_layer", "global")}
     gaps = (", ".join(f"{d * 100:.1f} pp {scope}" for scope, d in deltas.items())
             if all(math.isfinite(d) for d in deltas.values()) else "n/a (no decode lookups)")
+    fractions = f"{CHECK_FRACTIONS[0]:.2f}..{CHECK_FRACTIONS[-1]:.2f}"
     print(f"mrc check: {synth_path} vs {real_path}, first {tokens:,} tokens (decode lookups, LRU, cold "
-          f"start): max |delta hit rate| {gaps} over fractions {CHECK_FRACTIONS[0]:.2f}..{CHECK_FRACTIONS[-1]:.2f}")
+          f"start): max |delta hit rate| {gaps} over fractions {fractions}")
 
 
 def _import_route_csv(args: argparse.Namespace) -> None:

@@ -306,8 +306,9 @@ def fit_routing(source, seed: int = 0, rounds: int = CALIBRATION_ROUNDS, progres
     for round_ in tqdm(range(rounds), desc="fit", unit="round", disable=not progress):
         sim, rank_of = simulate_stats(make(), layout, replicas, seed, edges)
         step = STEP * min(1.0, (rounds - round_) / POLISH_ROUNDS)  # settles over the last rounds
-        recency[present] += step * _log_ratio(target.positions[present, :, :-1], sim.positions[present, :, :-1])
-        cold[present] += step * _log_ratio(target.positions[present, :, -1], sim.positions[present, :, -1])
+        real_bins, sim_bins = target.positions[present], sim.positions[present]
+        recency[present] += step * _log_ratio(real_bins[..., :-1], sim_bins[..., :-1])
+        cold[present] += step * _log_ratio(real_bins[..., -1], sim_bins[..., -1])
         recency[~present], cold[~present] = recency[present][0], cold[present][0]  # a phase the trace lacks
         popularity += step * popularity_step(target.ranked_calls, sim.calls, rank_of, knots)
         # a designated rank must stay the realised rank: the curve stays non-increasing
@@ -336,7 +337,7 @@ def fit_routing(source, seed: int = 0, rounds: int = CALIBRATION_ROUNDS, progres
              "tail_gap": round(target_gap, 5), "tail_gap_from": "logits" if real.tail_gap is not None
              else "gates",
              # how far the structure parameters reached their targets (simulated / real)
-             "cross_mi_ratio": round(float(sim.cross_mi[1:].sum() / max(target.cross_mi[1:].sum(), 1e-12)), 3),
+             "cross_mi_ratio": round(float(sim.cross_mi.sum() / max(target.cross_mi.sum(), 1e-12)), 3),
              "domain_mi_ratio": round(float(sim.domain_mi.sum() / target.domain_mi.sum()), 3)
              if topical else None,
              "rank_slope": [round(_rank_slope(target), 4), round(_rank_slope(sim), 4)]}
@@ -428,7 +429,8 @@ class CheckRow:
         return self.synth - self.real
 
 
-def mrc_check(real_source, synth_source, fractions=CHECK_FRACTIONS, scopes=SCOPES) -> tuple[int, list[CheckRow]]:
+def mrc_check(real_source, synth_source, fractions=CHECK_FRACTIONS,
+              scopes=SCOPES) -> tuple[int, list[CheckRow]]:
     """Compare the one-pass LRU miss-ratio curves of two traces of one shape at cache fractions.
 
     Both are cut to the shorter one's tokens (whole groups), so that cold starts weigh alike.
@@ -485,7 +487,8 @@ def reshape_fit(base: RoutingFit, experts: int, top_k: int, *, model: str, exper
     knots = popularity_ranks(experts)
     popularity = popularity_scale * np.stack([np.interp(knots / ratio, base.popularity_ranks, row)
                                               for row in base.popularity])
-    gaps = [base.gate_gaps[min(r, len(base.gate_gaps) - 1)] for r in range(top_k - 1)] if base.gate_gaps else []
+    last = len(base.gate_gaps) - 1
+    gaps = [base.gate_gaps[min(r, last)] for r in range(top_k - 1)] if base.gate_gaps else []
     return RoutingFit(
         model=model, layers=base.layers, experts=experts, top_k=top_k,
         expert_bytes=[expert_bytes] * base.layers, dense_bytes=[], layer_ids=list(base.layer_ids),
@@ -523,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     reshape = commands.add_parser("reshape", help="carry a fit over to another shape (reshape_fit)")
     reshape.add_argument("base", help="fit (.json) or preset name")
     reshape.add_argument("out", help="fit to write (.json)")
-    for name, kind, text in (("experts", int, "routed experts per layer"), ("top-k", int, "experts per token"),
+    for name, kind, text in (("experts", int, "routed experts per layer"),
+                             ("top-k", int, "experts per token"),
                              ("expert-bytes", int, "bytes of one expert"), ("model", str, "model name"),
                              ("sequence-tokens", int, "tokens of every (decode-only) sequence"),
                              ("popularity-scale", float, "factor on the log popularity"),

@@ -652,7 +652,7 @@ class SequenceLayout:
 
 
 class RoutingModel:
-    """The fitted model's selection process: per layer an LRU stack, p = popularity x favourite x recency.
+    """The fitted model's selection: per layer an LRU stack; p = popularity x favourite x recency.
 
     ``route`` continues the process over the next tokens (stacks carry over between calls);
     uniforms are hashed from (seed, stream, token index, layer, draw), so a token's routing
@@ -680,8 +680,8 @@ class RoutingModel:
         recency = np.asarray(fit.recency, dtype=np.float64)  # [phase, L, bins]
         cold = np.asarray(fit.recency_cold, dtype=np.float64)
         top = np.maximum(recency.max(axis=2), cold)
-        self.kappa = np.exp(np.maximum(np.repeat(recency - top[..., None], np.diff(fit.recency_edges), axis=2),
-                                       -WEIGHT_RANGE))
+        by_position = np.repeat(recency - top[..., None], np.diff(fit.recency_edges), axis=2)
+        self.kappa = np.exp(np.maximum(by_position, -WEIGHT_RANGE))
         self.kappa_cold = np.exp(np.maximum(cold - top, -WEIGHT_RANGE))
         self.boost = np.exp(np.asarray(fit.type_boost, dtype=np.float64))
         self.rank_weight = float(fit.rank_weight)
