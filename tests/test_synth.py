@@ -1,4 +1,5 @@
-"""Synthetic traces: deterministic, skewed like real routing, logits consistent with the top-k."""
+"""Synthetic traces (parametric and fitted): deterministic, skewed like real routing, logits
+consistent with the top-k."""
 from __future__ import annotations
 
 import math
@@ -7,8 +8,17 @@ import numpy as np
 import pytest
 
 from traces.errors import InputError
+from traces.fit import reshape_fit
 from traces.format import PHASE_DECODE, PHASE_PREFILL, read_trace
-from traces.synth import BLOCK_TOKENS, synth_trace, write_synth_trace
+from traces.synth import (
+    BLOCK_TOKENS,
+    RoutingFit,
+    fitted_trace,
+    load_preset,
+    synth_trace,
+    write_fitted_trace,
+    write_synth_trace,
+)
 
 SHAPE = dict(tokens=2500, layers=8, experts=64, top_k=4)  # crosses block boundaries
 
@@ -127,3 +137,85 @@ def test_bad_options_name_the_option(option, value, words):
     with pytest.raises(InputError) as caught:
         synth_trace(**args)
     assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+# The fitted model (RoutingFit): drawn from the bundled fit of the public Qwen3-30B trace, cut
+# down to a small shape so that the tests stay fast.
+@pytest.fixture(scope="module")
+def small_fit():
+    base = load_preset("qwen3_30b_a3b_route")
+    fit = reshape_fit(base, 32, 4, model="small", expert_bytes=1000, sequences=[[20, 300, -1], [0, 500, -1]])
+    return fit
+
+
+def test_fitted_logits_top_k_are_the_experts_and_gates_their_softmax(small_fit):
+    meta, chunk = fitted_trace(small_fit, 1500, seed=2, logits="full")
+    order = np.argsort(-chunk.logits, axis=-1, kind="stable")
+    np.testing.assert_array_equal(order[..., :4], chunk.experts)
+    top = np.take_along_axis(chunk.logits, chunk.experts.astype(np.int64), axis=-1)
+    assert (np.diff(top, axis=-1) < 0).all()
+    softmax = np.exp(top - top[..., :1])
+    softmax /= softmax.sum(-1, keepdims=True)
+    np.testing.assert_allclose(chunk.gates, softmax, rtol=1e-5, atol=1e-7)
+    assert meta.extra["fit"]["experts"] == 32 and meta.source == "synth"
+    _, plain = fitted_trace(small_fit, 1500, seed=2, logits="none")
+    np.testing.assert_array_equal(plain.experts, chunk.experts)
+    np.testing.assert_array_equal(plain.gates, chunk.gates)
+
+
+def test_fitted_top_r_logits_keep_the_r_highest(small_fit):
+    meta, full = fitted_trace(small_fit, 600, seed=4, logits="full")
+    meta_r, top = fitted_trace(small_fit, 600, seed=4, logits="top:6")
+    assert meta_r.logits_top_r == 6 and not meta.logits_top_r
+    kept = np.isfinite(top.logits)
+    assert (kept.sum(axis=-1) == 6).all()
+    np.testing.assert_array_equal(top.logits[kept], full.logits[kept])
+    sixth = np.sort(full.logits, axis=-1)[..., -6]
+    assert (full.logits[~kept] <= np.repeat(sixth[..., None], 32, axis=-1)[~kept]).all()
+
+
+def test_fitted_trace_file_reads_back_and_repeats_byte_for_byte(small_fit, tmp_path):
+    a, b, c = tmp_path / "a.parquet", tmp_path / "b.parquet", tmp_path / "c.parquet"
+    write_fitted_trace(a, small_fit, 2500, seed=5, logits="full")
+    write_fitted_trace(b, small_fit, 2500, seed=5, logits="full")
+    write_fitted_trace(c, small_fit, 2500, seed=6, logits="full")
+    assert a.read_bytes() == b.read_bytes()
+    meta, read = read_trace(a)  # the reader validates schema, metadata and every value
+    assert RoutingFit.from_dict(meta.extra["fit"], "a") == small_fit
+    _, memory = fitted_trace(small_fit, 2500, seed=5, logits="full")
+    for name in ("seq", "pos", "phase", "experts", "group"):
+        np.testing.assert_array_equal(getattr(read, name), getattr(memory, name))
+    np.testing.assert_array_equal(read.logits, memory.logits)
+    assert not np.array_equal(read_trace(c)[1].experts, read.experts)
+
+
+def test_fitted_trace_prefix_is_the_shorter_trace_and_layout_repeats(small_fit):
+    _, long = fitted_trace(small_fit, 2 * BLOCK_TOKENS + 100, seed=1, logits="full")
+    _, short = fitted_trace(small_fit, 700, seed=1, logits="full")
+    np.testing.assert_array_equal(long.experts[:700], short.experts)
+    np.testing.assert_array_equal(long.logits[:700], short.logits)
+    starts = np.flatnonzero(np.diff(long.seq, prepend=-1))
+    lengths = np.diff(np.append(starts, long.seq.size))
+    assert lengths[:4].tolist() == [300, 500, 300, 500]
+    assert (long.phase[starts[0]:starts[0] + 20] == PHASE_PREFILL).all()
+    assert (long.phase[starts[1]:starts[2]] == PHASE_DECODE).all()
+
+
+@pytest.mark.parametrize("value", ["top:3", "top:x", "top:65", "half"])
+def test_bad_logits_option_names_it(value):
+    with pytest.raises(InputError) as caught:
+        synth_trace(tokens=10, layers=2, experts=64, top_k=4, seed=0, logits=value)
+    assert "'logits' (--logits)" in str(caught.value) and "top:R" in str(caught.value)
+
+
+def test_parametric_top_r_logits():
+    meta, chunk = synth_trace(tokens=300, layers=2, experts=16, top_k=2, seed=1, logits="top:5")
+    assert meta.logits_top_r == 5 and (np.isfinite(chunk.logits).sum(axis=-1) == 5).all()
+
+
+def test_fitted_top_k_equal_to_experts_and_steep_weights_terminate():
+    fit = reshape_fit(load_preset("qwen3_30b_a3b_route"), 6, 6, model="all", expert_bytes=10,
+                      sequences=[[3, 40, -1]], popularity_scale=5.0, recency_scale=5.0)
+    _, chunk = fitted_trace(fit, 100, seed=0, logits="full")
+    assert (np.sort(chunk.experts, axis=-1) == np.arange(6)).all()
+    np.testing.assert_array_equal(np.argsort(-chunk.logits, axis=-1, kind="stable"), chunk.experts)

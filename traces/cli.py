@@ -1,6 +1,9 @@
 """moe-trace: make, import and inspect router traces.
 
-    moe-trace synth OUT --tokens T --layers L --experts E --top-k K --seed S [--logits full|none] ...
+    moe-trace synth OUT --tokens T --layers L --experts E --top-k K --seed S [--logits full|none|top:R] ...
+    moe-trace synth OUT --like REAL --tokens T [--seed S] [--logits ...] [--check]
+    moe-trace synth OUT --preset NAME --tokens T [--seed S] [--logits ...]
+    moe-trace synth --check REAL SYNTH
     moe-trace import route-csv IN OUT
     moe-trace repack IN OUT [--logits-quantum Q] [--compact-logits]
     moe-trace info PATH [--json] [--verify]
@@ -39,7 +42,16 @@ from traces.importers.route_csv import (
     load_route_csv,
     shown_line,
 )
-from traces.synth import SynthSpec, write_synth_trace
+from traces.synth import (
+    SynthSpec,
+    check_draw,
+    load_preset,
+    logits_name,
+    logits_option,
+    preset_names,
+    write_fitted_trace,
+    write_synth_trace,
+)
 
 TOP_SHARE = 0.10  # "top 10 % of experts" in the popularity summary
 PARQUET_MAGIC = b"PAR1"
@@ -68,18 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-trace", description="Make, import and inspect router traces.")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    synth = commands.add_parser("synth", help="write a synthetic trace",
-                                description="Write a synthetic trace (see traces/synth.py for the model).")
-    synth.add_argument("out", metavar="OUT", help="trace file to write (.parquet)")
+    synth = commands.add_parser(
+        "synth", help="write a synthetic trace (parametric, or fitted to a real trace)",
+        description="Write a synthetic trace: from the parametric model's options, from a fit to a "
+                    "real trace (--like) or from a bundled fit (--preset); see docs/SYNTH.md. "
+                    "--check REAL SYNTH compares two traces' LRU hit-rate curves.")
+    synth.add_argument("out", metavar="OUT", nargs="?", help="trace file to write (.parquet)")
+    synth.add_argument("--like", metavar="REAL", help="fit the model to this trace and draw from the fit "
+                       "(its shape, expert bytes and layout; recorded under extra.fit)")
+    synth.add_argument("--preset", metavar="NAME", help="draw from a bundled fit "
+                       f"({', '.join(preset_names())}) or a fit file (.json, python -m traces.fit)")
+    synth.add_argument("--check", nargs="*", metavar="TRACE",
+                       help="with --like: print the per-fraction LRU hit-rate table; REAL SYNTH: "
+                            "compare two traces (nothing is written)")
     for f in fields(SynthSpec):
-        option = "--" + f.name.replace("_", "-")
         required = f.default is MISSING
         kind = {"int": int, "float": float, "str": str}[f.type]
-        extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
-        default = "" if required else f" (default: {f.default})"
-        synth.add_argument(option, dest=f.name, type=kind, required=required,
-                           default=None if required else f.default,
-                           help=f.metadata["help"] + default, **extra)
+        default = " (required)" if required else f" (default: {f.default})"
+        synth.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
+                           help=f.metadata["help"] + default)
     _force(synth)
     synth.set_defaults(command=_synth)
 
@@ -133,10 +152,76 @@ def _progress() -> bool:
     return sys.stderr.isatty()
 
 
+FITTED_OPTIONS = ("tokens", "seed", "logits")  # the SynthSpec options a fitted trace takes
+
+
 def _synth(args: argparse.Namespace) -> None:
+    given = {f.name: getattr(args, f.name) for f in fields(SynthSpec) if getattr(args, f.name) is not None}
+    files = args.check or []
+    if len(files) == 2 and args.out is None and not (args.like or args.preset or given):
+        return _print_check(*files, table=True)
+    if files:
+        raise InputError("synth option 'check' (--check) takes REAL SYNTH alone, or no files after "
+                         "OUT --like REAL; give one of the two forms")
+    if args.out is None:
+        raise InputError("synth needs OUT, the trace file to write (or --check REAL SYNTH)")
     _check_out(args.out, args.force)
-    options = {f.name: getattr(args, f.name) for f in fields(SynthSpec)}
-    write_synth_trace(args.out, progress=_progress(), **options)
+    if args.like or args.preset:
+        return _synth_fitted(args, given)
+    if args.check is not None:
+        raise InputError("synth option 'check' (--check) without files needs --like REAL")
+    defaults = {f.name: f.default for f in fields(SynthSpec) if f.default is not MISSING}
+    missing = [f.name for f in fields(SynthSpec) if f.name not in given and f.name not in defaults]
+    if missing:
+        raise InputError(f"synth option '{missing[0]}' (--{missing[0].replace('_', '-')}) is missing; "
+                         "give it, or draw a fitted trace with --like REAL or --preset NAME")
+    write_synth_trace(args.out, progress=_progress(), **{**defaults, **given})
+    return None
+
+
+def _synth_fitted(args: argparse.Namespace, given: dict) -> None:
+    """``synth OUT --like REAL`` or ``--preset NAME``: draw from a fit, then check a fit to REAL."""
+    if args.like and args.preset:
+        raise InputError("synth options 'like' and 'preset' exclude each other; give one")
+    extra = sorted(set(given) - set(FITTED_OPTIONS))
+    if extra:
+        raise InputError(f"synth option '{extra[0]}' (--{extra[0].replace('_', '-')}) does not apply to a "
+                         "fitted trace: its shape and layout come from the fit; leave it out")
+    if "tokens" not in given:
+        raise InputError("synth option 'tokens' (--tokens) is missing; give the tokens to draw")
+    tokens, seed = given["tokens"], given.get("seed", 0)
+    check_draw(tokens, seed)
+    if args.preset:
+        fit, logits, origin = load_preset(args.preset), given.get("logits", "full"), {"preset": args.preset}
+    else:
+        from traces.fit import fit_routing
+
+        with open_trace(args.like) as real:
+            meta = real.meta
+            logits = given.get("logits", logits_name(meta.has_logits, meta.logits_top_r))
+            logits_option(logits, meta.top_k, meta.num_experts)  # bad options stop before the fit
+            fit = fit_routing(real, progress=_progress(), name=args.like)
+        origin = {"like": args.like}
+    write_fitted_trace(args.out, fit, tokens, seed, logits, progress=_progress(),
+                       extra={"synth": {**origin, "tokens": tokens, "seed": seed, "logits": logits}})
+    if args.like:
+        _print_check(args.like, args.out, table=args.check is not None)
+
+
+def _print_check(real_path: str, synth_path: str, table: bool) -> None:
+    """Print the LRU hit-rate comparison of two traces: its table, then one closing line."""
+    from traces.fit import CHECK_FRACTIONS, format_check, max_delta, mrc_check
+
+    with open_trace(real_path) as real, open_trace(synth_path) as synth:
+        tokens, rows = mrc_check(real, synth)
+    if table:
+        print(format_check(rows))
+    deltas = {scope: max_delta(rows, scope) for scope in ("per_layer", "global")}
+    gaps = (", ".join(f"{d * 100:.1f} pp {scope}" for scope, d in deltas.items())
+            if all(math.isfinite(d) for d in deltas.values()) else "n/a (no decode lookups)")
+    fractions = f"{CHECK_FRACTIONS[0]:.2f}..{CHECK_FRACTIONS[-1]:.2f}"
+    print(f"mrc check: {synth_path} vs {real_path}, first {tokens:,} tokens (decode lookups, LRU, cold "
+          f"start): max |delta hit rate| {gaps} over fractions {fractions}")
 
 
 def _import_route_csv(args: argparse.Namespace) -> None:
