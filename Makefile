@@ -27,7 +27,7 @@ env-capture: env
 
 # The headline comparison on the bundled trace, scaled to Qwen3-Next-80B-A3B expert sizes on the
 # measured H200 profile: five strategies at 25 % resident.
-DEMO_ARGS ?= model=qwen3_next_80b_a3b hardware=h200_measured
+DEMO_ARGS ?= model=qwen3_next_80b_a3b model.sizes_only=true hardware=h200_measured
 demo: env
 	@test -f $(DEMO_TRACE) || $(BIN)/moe-trace synth $(DEMO_TRACE) --tokens 4000 --layers 16 --experts 128 --top-k 8 --seed 0 --logits full
 	rm -rf $(DEMO_DIR)
@@ -38,7 +38,7 @@ demo: env
 # datasheet RTX 3090 profile and the measured H200 profile: six strategies at 25 % resident,
 # then background admission off and at beta 0.25 / 0.5 / 1.0; each sweep ends with its report.
 PAPER_DIR ?= runs/paper
-PAPER_ARGS = trace.path=$(DEMO_TRACE) model=qwen3_next_80b_a3b hardware=rtx3090_pcie4,h200_measured cache.fraction=0.25
+PAPER_ARGS = trace.path=$(DEMO_TRACE) model=qwen3_next_80b_a3b model.sizes_only=true hardware=rtx3090_pcie4,h200_measured cache.fraction=0.25
 paper: env
 	rm -rf $(PAPER_DIR)
 	$(BIN)/moe-sim -m $(PAPER_ARGS) policy=$(POLICIES),cpu_offload hydra.sweep.dir=$(PAPER_DIR)/strategies

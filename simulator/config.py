@@ -68,11 +68,20 @@ class AdmissionConfig:
 
 
 @dataclass
+class MemoryConfig:
+    check: bool = opt(True, "stop when dense weights + resident experts + reserve exceed the GPU's "
+                      "memory (hardware.gpu.memory_bytes)")
+    reserve_bytes: int = opt(2 * 2**30, "GPU memory kept for the KV cache, activations and the "
+                             "runtime, bytes")
+
+
+@dataclass
 class SimulateConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     hardware: Any = opt(None, "a hardware profile (conf/hardware/*.yaml), validated by simulator.hardware")
     model: Any = opt(None, 'model shapes and expert sizes (conf/model/*.yaml); "trace" = from the trace')
     engine: str = opt("numba", "numba | reference (plain Python, same semantics, slow)")

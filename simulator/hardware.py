@@ -22,15 +22,20 @@ MAX_HOST_RAM_BYTES = 2**50  # 1 PiB
 # section -> field -> (required, may be 0, cap)
 PROFILE_FIELDS: dict[str, dict[str, tuple[bool, bool, float]]] = {
     "pcie": {"latency_us": (True, True, MAX_LATENCY_US), "bandwidth_gbps": (True, False, MAX_LINK_GBPS),
-             "pageable_bandwidth_gbps": (False, False, MAX_LINK_GBPS)},
+             "pageable_bandwidth_gbps": (False, False, MAX_LINK_GBPS),
+             "idle_latency_us": (False, True, MAX_LATENCY_US)},
     "ssd": {"latency_us": (True, True, MAX_LATENCY_US), "bandwidth_gbps": (True, False, MAX_LINK_GBPS)},
     "gpu": {"expert_fixed_us": (True, True, MAX_LATENCY_US),
             "memory_bandwidth_gbps": (True, False, MAX_MEMORY_GBPS),
-            "layer_fixed_us": (True, True, MAX_LATENCY_US)},
+            "layer_fixed_us": (True, True, MAX_LATENCY_US),
+            "memory_bytes": (False, False, MAX_HOST_RAM_BYTES),
+            "token_fixed_us": (False, True, MAX_LATENCY_US),
+            "step_fixed_us": (False, True, MAX_LATENCY_US)},
     "cpu": {"expert_fixed_us": (True, True, MAX_LATENCY_US),
             "memory_bandwidth_gbps": (True, False, MAX_MEMORY_GBPS)},
 }
-TOP_LEVEL = {"name", "source", "host", "host_ram_bytes", "compute", "samples", *PROFILE_FIELDS}
+TOP_LEVEL = {"name", "source", "host", "host_ram_bytes", "host_pinned_bytes", "compute", "samples",
+             *PROFILE_FIELDS}
 COMPUTE_FIELDS = ("gpu_expert_us", "nonexpert_layer_us", "cpu_expert_us")
 SOURCES = ("measured", "datasheet")
 
@@ -61,9 +66,9 @@ def validate_profile(profile: Mapping, origin: str = "hardware profile") -> None
                     problems.append(f"missing field 'hardware.{section}.{name}'")
                 continue
             problems += _number_problems(value, f"hardware.{section}.{name}", zero, cap)
-    ram = profile.get("host_ram_bytes")
-    if ram is not None:
-        problems += _number_problems(ram, "hardware.host_ram_bytes", False, MAX_HOST_RAM_BYTES)
+    for name in ("host_ram_bytes", "host_pinned_bytes"):
+        if profile.get(name) is not None:
+            problems += _number_problems(profile[name], f"hardware.{name}", True, MAX_HOST_RAM_BYTES)
     compute = profile.get("compute") or {}
     if not isinstance(compute, Mapping):
         problems.append("'hardware.compute' must map model names to measured times")

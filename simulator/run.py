@@ -39,24 +39,37 @@ def resolve_path(path: str) -> Path:
     return in_repo if in_repo.exists() else p
 
 
+SHAPE_FIELDS = ("num_layers", "num_experts", "top_k")
+
+
 def model_sizes(model: Mapping | None, meta: TraceMeta) -> tuple[str, np.ndarray, np.ndarray]:
     """(model name, expert bytes per trace layer, dense bytes per trace layer).
 
-    ``model=trace`` takes the sizes the trace records; a named model scales the trace to that
-    model's expert and dense sizes (uniform over layers).
+    ``model=trace`` takes the sizes the trace records. A named model must have the trace's
+    routing shape (layers, experts, top-k); ``model.sizes_only=true`` takes only its byte sizes
+    onto a trace of another shape (the summary says so). ``expert_bytes`` is one size for every
+    layer or a list with one per layer.
     """
+    model = model or {}
     L = meta.num_layers
-    name = (model or {}).get("name") or "trace"
-    expert = (model or {}).get("expert_bytes")
-    dense = (model or {}).get("dense_bytes_per_layer")
-    if expert is None:
-        expert_bytes = np.asarray(meta.expert_bytes, dtype=np.int64)
-    else:
-        expert_bytes = np.full(L, int(expert), dtype=np.int64)
+    name = model.get("name") or "trace"
+    if name != "trace" and not model.get("sizes_only"):
+        differ = [f"{f} {model.get(f)} vs {getattr(meta, f)}" for f in SHAPE_FIELDS
+                  if model.get(f) is not None and model.get(f) != getattr(meta, f)]
+        if differ:
+            raise InputError(
+                f"model={name} has another routing shape than the trace ({', '.join(differ)}); "
+                "use a trace of that model, model=trace, or model.sizes_only=true to take only "
+                "its byte sizes"
+            )
+    expert = model.get("expert_bytes")
+    dense = model.get("dense_bytes_per_layer")
+    expert_bytes = np.asarray(meta.expert_bytes if expert is None else _per_layer(expert, L, "model.expert_bytes"),
+                              dtype=np.int64)
     if dense is None:
         dense_bytes = np.asarray(meta.dense_bytes or [0] * L, dtype=np.int64)
     else:
-        dense_bytes = np.full(L, int(dense), dtype=np.int64)
+        dense_bytes = np.asarray(_per_layer(dense, L, "model.dense_bytes_per_layer"), dtype=np.int64)
     if name == "trace":
         name = meta.model
     if expert_bytes.shape != (L,) or (expert_bytes <= 0).any():
@@ -64,7 +77,46 @@ def model_sizes(model: Mapping | None, meta: TraceMeta) -> tuple[str, np.ndarray
             f"expert bytes must be > 0 for each of the trace's {L} layers; set model=<preset> "
             "or fix the trace metadata 'expert_bytes'"
         )
+    if (dense_bytes < 0).any():
+        raise InputError(f"'model.dense_bytes_per_layer' must be >= 0, got {dense}")
     return name, expert_bytes, dense_bytes
+
+
+def _per_layer(value, num_layers: int, field: str) -> list[int]:
+    """A size for every layer: one number, or a list of one per layer."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * num_layers
+    if len(values) != num_layers:
+        raise InputError(f"'{field}' lists {len(values)} sizes for the trace's {num_layers} layers; "
+                         "give one number or one per layer")
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise InputError(f"'{field}={value}' must be a number of bytes (or one per layer)") from None
+
+
+def check_gpu_memory(cfg: Mapping, expert_bytes_resident: int, dense_bytes: np.ndarray) -> None:
+    """Stop when dense weights + resident experts + the reserve exceed the GPU's memory.
+
+    ``hardware.gpu.memory_bytes`` (the profile) against ``model`` dense bytes (per layer, plus
+    ``embedding_bytes``), the cache budget and ``memory.reserve_bytes`` (KV cache, activations);
+    ``memory.check=false`` runs anyway. Profiles without the GPU's memory are not checked.
+    """
+    mem = cfg.get("memory") or {}
+    gpu_bytes = (cfg["hardware"].get("gpu") or {}).get("memory_bytes")
+    if not mem.get("check", True) or gpu_bytes is None:
+        return
+    model = cfg.get("model") or {}
+    dense = int(dense_bytes.sum()) + int(model.get("embedding_bytes") or 0)
+    reserve = int(mem.get("reserve_bytes") or 0)
+    need = dense + expert_bytes_resident + reserve
+    if need > gpu_bytes:
+        gib = 2**30
+        raise InputError(
+            f"does not fit the GPU: dense weights {dense / gib:.2f} GiB + resident experts "
+            f"{expert_bytes_resident / gib:.2f} GiB + reserve {reserve / gib:.2f} GiB = "
+            f"{need / gib:.2f} GiB > {gpu_bytes / gib:.2f} GiB of hardware.gpu.memory_bytes; lower "
+            "cache.fraction, use a smaller model quantisation, or memory.check=false to run anyway"
+        )
 
 
 def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
@@ -122,9 +174,11 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
     if init == "frequency" and warmup < 1:
         raise InputError("'cache.init=frequency' needs cache.warmup_tokens >= 1")
 
+    check_gpu_memory(cfg, int(np.sum(pool_budget)), dense_bytes)
     reg = registries()
     times = layer_times(hw, model_name, expert_bytes, dense_bytes)
-    ram = hw.get("host_ram_bytes")
+    ram, pinned = hw.get("host_ram_bytes"), hw.get("host_pinned_bytes")
+    pcie, gpu = hw["pcie"], hw["gpu"]
     params = SimParams(
         num_layers=L,
         num_experts=E,
@@ -151,6 +205,11 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         cpu_expert_us=times.cpu_expert_us,
         seed=int(cfg.get("seed", 0)),
         options=reg["eviction"].options_of(cache["eviction"], cache),
+        pcie_idle_latency_us=float(pcie.get("idle_latency_us") or pcie["latency_us"]),
+        pcie_pageable_bytes_per_us=float(pcie.get("pageable_bandwidth_gbps") or pcie["bandwidth_gbps"]) * 1e3,
+        host_pinned_budget_bytes=int(pinned) if pinned is not None else -1,
+        token_fixed_us=float(gpu.get("token_fixed_us") or 0.0),
+        step_fixed_us=float(gpu.get("step_fixed_us") or 0.0),
     )
     return params, substitute_by
 

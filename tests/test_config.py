@@ -97,7 +97,7 @@ def test_impossible_configs_fail_with_one_line_naming_the_field(overrides, field
 
 
 def test_model_preset_scales_the_trace_sizes():
-    c = cfg("model=qwen3_next_80b_a3b")
+    c = cfg("model=qwen3_next_80b_a3b", "model.sizes_only=true")
     name, expert, dense = model_sizes(c["model"], meta(L=3))
     assert name == "qwen3_next_80b_a3b"
     assert expert.tolist() == [2048 * 512 * 3 * 2] * 3
@@ -203,3 +203,41 @@ def test_layer_times_roofline_and_measured_override(profile):
     t2 = layer_times(profile, "toy", expert, dense)
     assert t2.gpu_expert_us.tolist() == [16.0, 16.0]
     assert t2.cpu_expert_us.tolist() == t.cpu_expert_us.tolist()
+
+
+# --- model shapes and GPU memory -------------------------------------------------------------
+
+
+def test_a_preset_of_another_shape_is_refused_unless_sizes_only():
+    with pytest.raises(InputError, match="another routing shape") as err:
+        model_sizes(cfg("model=mixtral_8x7b")["model"], meta(L=3))
+    assert "num_layers 32 vs 3" in str(err.value) and "model.sizes_only=true" in str(err.value)
+    name, expert, _ = model_sizes(cfg("model=mixtral_8x7b", "model.sizes_only=true")["model"], meta(L=3))
+    assert name == "mixtral_8x7b" and expert.tolist() == [352321536] * 3
+
+
+def test_quantised_qwen3_next_sizes_per_layer():
+    """Q4_K_M: down projections in Q6_K on llama.cpp's "more bits" layers, else Q4_K."""
+    c = cfg("model=qwen3_next_80b_a3b_q4km")["model"]
+    m = meta(L=48, E=512, k=10)
+    _, expert, _ = model_sizes(c, m)
+    q4, q6 = 2048 * 512 * 144 // 256, 2048 * 512 * 210 // 256
+    more = [i for i in range(48) if i < 6 or i >= 42 or (i - 6) % 3 == 2]
+    assert expert.tolist() == [2 * q4 + (q6 if i in more else q4) for i in range(48)]
+    assert len(more) == 24
+
+
+@pytest.mark.parametrize("overrides, fits", [
+    (["model=qwen3_next_80b_a3b", "cache.fraction=0.25"], False),  # bf16: 36 GiB of experts
+    (["model=qwen3_next_80b_a3b_q4km", "cache.fraction=0.25"], True),  # Q4_K_M: 10.9 GiB
+    (["model=qwen3_next_80b_a3b", "cache.fraction=0.25", "memory.check=false"], True),
+])
+def test_gpu_memory_feasibility(overrides, fits):
+    c = cfg("hardware=rtx3090_16gb", *overrides)
+    m = meta(L=48, E=512, k=10)
+    if fits:
+        build_params(c, m)
+        return
+    with pytest.raises(InputError, match="does not fit the GPU") as err:
+        build_params(c, m)
+    assert "GiB > 24.00 GiB" in str(err.value) and "\n" not in str(err.value)

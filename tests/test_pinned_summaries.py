@@ -35,7 +35,7 @@ VARIANTS = {
     "host_tier": ["policy=quality_first", "hardware=rtx3090_pcie4", "+hardware.host_ram_bytes=400000000"],
     "frequency_substitutes": ["policy=rule015", "policy.substitute_by=frequency"],
 }
-COMMON = ["model=qwen3_next_80b_a3b", "hardware=h200_measured", "cache.fraction=0.25", "per_token=false"]
+COMMON = ["model=qwen3_next_80b_a3b", "model.sizes_only=true", "hardware=h200_measured", "cache.fraction=0.25", "per_token=false"]
 
 
 def qwen3_next_shape_trace(path: Path) -> Path:

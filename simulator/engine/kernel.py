@@ -61,6 +61,7 @@ class Chunk(NamedTuple):
     group: np.ndarray  # int64[T]
     phase: np.ndarray  # int8[T]
     next_use: np.ndarray  # int32[T, L, k] next-use group ordinals (belady), or [0, L, k]
+    lookahead_ids: np.ndarray  # int32[T, L, D, R] look-ahead routing by logit, or [0, L, 0, 0]
 
 
 class TokenOut(NamedTuple):
@@ -307,6 +308,7 @@ class KernelSimulator:
         L, E, K = params.num_layers, params.num_experts, params.top_k
         self._no_logits = np.zeros((0, L, E), np.float32)
         self._no_next_use = np.zeros((0, L, K), np.int32)
+        self._no_lookahead = np.zeros((0, L, 0, 0), np.int32)
         self._tokens: list[dict[str, np.ndarray]] = []
 
     @property
@@ -332,6 +334,8 @@ class KernelSimulator:
             group=kernel_array(chunk.group, np.int64),
             phase=kernel_array(chunk.phase, np.int8),
             next_use=self._no_next_use if next_use is None else kernel_array(next_use, np.int32),
+            lookahead_ids=(self._no_lookahead if chunk.lookahead_ids is None
+                           else kernel_array(chunk.lookahead_ids, np.int32)),
         )
         self.kernels.run_chunk(ch, self.consts, self.core, self.link, *self.policy_states, out)
         tokens = out._asdict()

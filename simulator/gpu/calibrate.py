@@ -29,6 +29,7 @@ import math
 import mmap
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -184,6 +185,7 @@ def build_profile(
     compute: dict[str, dict[str, float]],
     samples_file: str | None,
     source: str = "measured",
+    gpu_memory_bytes: int | None = None,
 ) -> dict:
     """A profile dict of the schema ``simulator.hardware`` reads; validated before return."""
     profile = {
@@ -208,6 +210,8 @@ def build_profile(
         },
         "compute": {m: {k: _sig(v) for k, v in t.items()} for m, t in compute.items()},
     }
+    if gpu_memory_bytes:
+        profile["gpu"]["memory_bytes"] = int(gpu_memory_bytes)
     if samples_file:
         profile["samples"] = samples_file
     validate_profile(profile, origin=f"calibrated profile '{name}'")
@@ -251,6 +255,8 @@ def render_profile_yaml(profile: dict, header: Sequence[str] = ()) -> str:
         f"  expert_fixed_us: {p['gpu']['expert_fixed_us']}  # per expert call at batch 1 (CUDA graph; fit over expert sizes)",
         f"  memory_bandwidth_gbps: {p['gpu']['memory_bandwidth_gbps']}  # effective GB/s streaming expert weights (same fit)",
         f"  layer_fixed_us: {p['gpu']['layer_fixed_us']}  # non-expert compute floor per layer (measured layer minus its bytes at that bandwidth)",
+        *([f"  memory_bytes: {p['gpu']['memory_bytes']}  # the GPU's memory, as the driver reports it"]
+          if "memory_bytes" in p["gpu"] else []),
         "cpu:",
         f"  expert_fixed_us: {p['cpu']['expert_fixed_us']}  # per expert call on the host CPU at batch 1 (fit)",
         f"  memory_bandwidth_gbps: {p['cpu']['memory_bandwidth_gbps']}  # effective GB/s the CPU streams expert weights at (fit)",
@@ -1057,6 +1063,12 @@ def measure_cpu_expert(hidden: int, intermediate: int, dtype, threads: int, reps
 # --------------------------------------------------------------------------- host facts
 
 
+def gpu_memory_bytes(facts: dict) -> int | None:
+    """The GPU's memory from the host facts ("NAME (N MiB), driver ..."), or None on a CPU run."""
+    match = re.search(r"\((\d+) MiB\)", str(facts.get("gpu", "")))
+    return int(match.group(1)) * MIB if match else None
+
+
 def host_facts(device) -> dict:
     """GPU, driver, PCIe link and CPU of this host (nvidia-smi where present)."""
     torch = import_torch()
@@ -1257,6 +1269,7 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
     profile = build_profile(
         name, host=host, h2d=h2d_fit, pageable_gbps=pageable_gbps, ssd=ssd_fit, gpu_expert=gpu_fit,
         layer_fixed_us=statistics.mean(floors), cpu_expert=cpu_fit, compute=compute, samples_file=samples_file,
+        gpu_memory_bytes=gpu_memory_bytes(facts),
     )
     return profile, fits
 
