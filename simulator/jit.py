@@ -6,7 +6,6 @@ and no fused multiply-add. ``cache`` keeps compiled kernels across processes.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import types
 from pathlib import Path
@@ -55,7 +54,7 @@ def specialise(fn, variants: dict, inline: bool = False):
     the kernel compiled apart); ``inline=True`` inlines the result into its callers.
     """
     tag = ".".join(m.__name__.rsplit(".", 1)[-1] for m in variants.values() if isinstance(m, ModuleType))
-    fp = sources_fingerprint()
+    fp = SOURCES_FINGERPRINT
     namespace = dict(fn.__globals__, **variants)
     f = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     f.__qualname__ = f"{fn.__qualname__}[{tag}@{fp}]"
@@ -66,7 +65,6 @@ def specialise(fn, variants: dict, inline: bool = False):
     return kernel
 
 
-@functools.cache
 def sources_fingerprint() -> str:
     """A short hash of every source file a specialised kernel is compiled from."""
     root = Path(__file__).resolve().parent
@@ -90,3 +88,7 @@ def _prune_stale(kernel, prefix: str, current: str) -> None:
     for p in stale:
         with contextlib.suppress(OSError):
             p.unlink()
+
+
+# taken when the engine is imported: the sources its kernels are compiled from in this process
+SOURCES_FINGERPRINT = sources_fingerprint()
