@@ -14,6 +14,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from simulator.policies.eviction import REGISTRY as EVICTIONS
+from simulator.policies.predictor import REGISTRY as PREDICTORS
+from simulator.policies.prefetch import REGISTRY as PREFETCHES
 
 
 def opt(default, help: str, **extra):
@@ -52,14 +54,23 @@ class _CacheFields:
     warmup_tokens: int = opt(256, "init=frequency: tokens used to warm; excluded from statistics")
 
 
-def _with_options(name: str, base: type, registry) -> type:
-    """``base`` plus a field for every variant option of ``registry`` (help text kept)."""
+def _with_options(name: str, base: type, *registries) -> type:
+    """``base`` plus a field for every variant option of the ``registries`` (help text kept)."""
     extra = [(f.name, hint, field(default=f.default, metadata=f.metadata))
-             for f, hint in registry.option_fields()]
+             for registry in registries for f, hint in registry.option_fields()]
     return dataclasses.make_dataclass(name, extra, bases=(base,))
 
 
 CacheConfig = _with_options("CacheConfig", _CacheFields, EVICTIONS)
+
+
+@dataclass
+class _PrefetchFields:
+    predictor: str = opt("none", f"what prefetch predicts from: {' | '.join(PREDICTORS)}; none = off")
+    policy: str = opt("topp", f"how predictions become transfers: {' | '.join(PREFETCHES)}")
+
+
+PrefetchConfig = _with_options("PrefetchConfig", _PrefetchFields, PREFETCHES, PREDICTORS)
 
 
 @dataclass
@@ -81,6 +92,7 @@ class SimulateConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     hardware: Any = opt(None, "a hardware profile (conf/hardware/*.yaml), validated by simulator.hardware")
     model: Any = opt(None, 'model shapes and expert sizes (conf/model/*.yaml); "trace" = from the trace')

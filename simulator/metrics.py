@@ -87,6 +87,22 @@ RUN = (
     Metric("ssd_reads", "experts", "transfers whose expert first had to be read from the SSD "
            "(host RAM tier miss)", summary="ssd_reads"),
     Metric("evictions", "experts", "experts evicted from the GPU cache", summary="evictions"),
+    Metric("wasted_admissions", "experts", "background admissions evicted before any use (hit or "
+           "substitute use)", summary="wasted_admissions"),
+    Metric("wasted_admission_bytes", "bytes", "copied bytes of admissions that served no use: "
+           "evicted unused, or completed after the expert was resident anyway",
+           summary="wasted_admission_bytes"),
+    Metric("prefetches", "experts", "experts queued for a background transfer by prefetch",
+           summary="prefetches"),
+    Metric("prefetch_bytes", "bytes", "copied bytes of prefetches (part of `background_bytes`)",
+           summary="prefetch_bytes"),
+    Metric("useful_prefetches", "experts", "prefetched experts used (hit or substitute use) before "
+           "their eviction", summary="useful_prefetches"),
+    Metric("late_prefetches", "calls", "decode selections of an expert whose prefetch was still "
+           "queued or in flight (the expert was missed)", summary="late_prefetches"),
+    Metric("wasted_prefetch_bytes", "bytes", "copied bytes of prefetches that served no use: "
+           "evicted unused, or completed after the expert was resident anyway",
+           summary="wasted_prefetch_bytes"),
 )
 
 # summary.json fields computed from the counters (simulator.results.summarize); the totals of

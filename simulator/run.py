@@ -122,6 +122,7 @@ def check_gpu_memory(cfg: Mapping, expert_bytes_resident: int, dense_bytes: np.n
 def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
     """Validate the composed config against the trace and resolve it into engine inputs."""
     policy, cache, hw = cfg["policy"], cfg["cache"], cfg["hardware"]
+    prefetch = cfg.get("prefetch") or {"predictor": "none", "policy": "topp"}
     validate_profile(hw, origin=f"hardware profile '{(hw or {}).get('name', '?')}'")
     L, E, k = meta.num_layers, meta.num_experts, meta.top_k
     model_name, expert_bytes, dense_bytes = model_sizes(cfg.get("model"), meta)
@@ -204,7 +205,12 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         nonexpert_us=times.nonexpert_us,
         cpu_expert_us=times.cpu_expert_us,
         seed=int(cfg.get("seed", 0)),
-        options=reg["eviction"].options_of(cache["eviction"], cache),
+        predictor=_choice(prefetch["predictor"], reg["predictor"], "prefetch.predictor"),
+        prefetch=_choice(prefetch["policy"], reg["prefetch"], "prefetch.policy"),
+        options={**reg["eviction"].options_of(cache["eviction"], cache),
+                 **(reg["prefetch"].options_of(prefetch["policy"], prefetch)  # predictor none: off
+                    if prefetch["predictor"] != "none" else {}),
+                 **reg["predictor"].options_of(prefetch["predictor"], prefetch)},
         pcie_idle_latency_us=float(pcie.get("idle_latency_us") or pcie["latency_us"]),
         pcie_pageable_bytes_per_us=float(pcie.get("pageable_bandwidth_gbps") or pcie["bandwidth_gbps"]) * 1e3,
         host_pinned_budget_bytes=int(pinned) if pinned is not None else -1,

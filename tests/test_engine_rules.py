@@ -113,8 +113,9 @@ def test_logit_substitution_needs_logits():
 
 def test_background_admission_timing_and_reset():
     """acc reaching beta queues the expert at the step's t1 (32 us); the link starts it at
-    once (32-42 us); it becomes resident at the first step start after 42 us (token 4 at
-    48 us, not token 3 at 41 us); the accumulator resets, also when it is already in flight."""
+    once (32-42 us); it becomes resident at the first expert phase after 42 us (token 3's t1,
+    41 + 5 = 46 us), where token 3 finds it resident and its admission evicts 4, the one
+    resident token 3 does not select; the accumulator resets on admission."""
     g = [0.625, 0.375]
     source = trace(
         [[[4, 5]], [[0, 4]], [[4, 5]], [[0, 5]], [[0, 4]]],
@@ -125,7 +126,7 @@ def test_background_admission_timing_and_reset():
     assert steps[0][0].codes == [FF, FF]  # 4 at 5-15 us, 5 at 15-25 us; token ends at 27
     assert [s[0].start_us for s in steps] == [0.0, 27.0, 34.0, 41.0, 48.0]
     assert steps[1][0].codes == [S, HIT] and steps[1][0].substitutes == [5, -1]
-    assert steps[3][0].codes == [S, HIT]  # 0 is in flight: substituted (by 4), not re-queued
+    assert steps[3][0].codes == [HIT, HIT]  # 0 arrived at 42 us, before token 3's expert phase
     assert steps[4][0].codes == [HIT, S] and steps[4][0].substitutes == [-1, 5]
     assert sim.admission.acc[0] == 0.0 and sim.admission.acc[4] == 0.375
 
@@ -137,9 +138,9 @@ def test_background_admission_timing_and_reset():
     assert r.evictions == 1  # the admission evicted 4, the least recently used other resident
     assert r.stall_us.tolist() == [20.0, 0.0, 0.0, 0.0, 0.0]  # background never stalls
 
-    # the same trace cut before token 4: the transfer completed (42 us) but no step started
-    # after it, so it is never applied
-    r = run_both(trace([[[4, 5]], [[0, 4]], [[4, 5]], [[0, 5]]], [[g]] * 4), p)
+    # the same trace cut before token 3: the transfer completed (42 us) but no expert phase
+    # started after it (token 2's began at 39 us), so it is never applied
+    r = run_both(trace([[[4, 5]], [[0, 4]], [[4, 5]]], [[g]] * 3), p)
     assert r.background_admissions == 0 and r.background_bytes == BYTES
 
 

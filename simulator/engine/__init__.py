@@ -134,13 +134,23 @@ def check_params(params: SimParams, meta: TraceMeta) -> None:
     reg = registries()
     for family, name in (("eviction", params.eviction), ("miss_rule", params.miss_rule),
                          ("miss_action", params.miss_action),
-                         ("substitute", params.substitute_by)):
+                         ("substitute", params.substitute_by), ("predictor", params.predictor),
+                         ("prefetch", params.prefetch)):
         reg[family][name]  # noqa: B018 - raises InputError naming the choices
     if not 0.0 < params.lfu_decay <= 1.0:
         raise InputError(f"lfu_decay must be in (0, 1], got {params.lfu_decay}")
     if params.warmup_tokens < 0:
         raise InputError(f"warmup_tokens must be >= 0, got {params.warmup_tokens}")
-    substitute = reg["substitute"][chosen(params)["substitute"]]
+    names = chosen(params)
+    predictor = reg["predictor"][names["predictor"]]
+    distance = int(params.options.get("distance", 1))
+    if getattr(predictor, "NEEDS_LOOKAHEAD", False) and meta.lookahead_depth < distance:
+        raise InputError(
+            f"prefetch.predictor={names['predictor']} needs look-ahead routing {distance} layer(s) "
+            f"ahead; this trace has {meta.lookahead_depth} (capture with lookahead.enabled=true "
+            "lookahead.depth=D, or choose another predictor)"
+        )
+    substitute = reg["substitute"][names["substitute"]]
     if substitute.NEEDS_LOGITS and not meta.has_logits:
         raise InputError(
             f"substitute_by={params.substitute_by} needs a trace with router logits; this trace "

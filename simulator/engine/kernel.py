@@ -23,12 +23,15 @@ from simulator.engine.state import (
     BYTES,
     CLOCK,
     INC,
+    PREFETCH,
     STAMP,
     drop,
     kernel_array,
     make_consts,
     make_core_state,
     make_resident,
+    used,
+    wasted_background,
 )
 from simulator.jit import specialise
 from simulator.metrics import (
@@ -45,7 +48,8 @@ from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 
 # The policy modules the kernels call, and the trim step; bound per compiled kernel by
 # simulator.jit.specialise.
-eviction = miss_rule = miss_action = substitute = admission = _trim_step = _fetch_step = None
+eviction = miss_rule = miss_action = substitute = admission = predictor = prefetch = None
+_trim_step = _fetch_step = None
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -86,21 +90,19 @@ def _trim(core, ev, c, p, stamp):
 
 def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
     """Decide a synchronous fetch of x: it is resident at once (its transfer is timed with the
-    step's other fetches, simulator.engine.link.sync_fetches); returns the step's fetch count.
-    The background queue advances to t1 before the step's first fetch becomes resident."""
-    if n_fetch == 0 and link.qstate[Q_LEN] > 0:
-        advance(core.resident, core.run_counts, link, t1)
+    step's other fetches, simulator.engine.link.sync_fetches); returns the step's fetch count."""
     link.fetch_x[n_fetch] = x
     make_resident(core, c, x, layer, p)
     eviction.on_insert(core, ev, c, x, p, s)
     return n_fetch + 1
 
 
-def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
+def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
     """Simulate every group of one chunk, updating the state in place (docs/semantics.md).
 
     ``ch``: Chunk; ``c``: Consts; ``core``: CoreState; ``link``: LinkState; ``ev``, ``rule``,
-    ``act``, ``sub``, ``adm``: the chosen variants' states; ``out``: TokenOut.
+    ``act``, ``sub``, ``adm``, ``pr`` (predictor), ``pf`` (prefetch): the chosen variants'
+    states; ``out``: TokenOut.
     """
     experts, gates, group, phase = ch.experts, ch.gates, ch.group, ch.phase
     T, L, K = experts.shape
@@ -135,25 +137,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
             s = g * L + layer
             base = layer * E
             p = c.pool_of_layer[layer]
-            # step start: background transfers that completed by t0 become resident, each
-            # admitted expert evicted after every other resident of its pool
             t0 = core.fstate[CLOCK]
-            if link.qstate[Q_LEN] > 0:
-                advance(core.resident, core.run_counts, link, t0)
-            x = next_completion(link, t0)
-            while x >= 0:
-                if not core.resident[x]:
-                    lx = x // E
-                    px = c.pool_of_layer[lx]
-                    core.istate[STAMP] += 1
-                    core.mark[x] = core.istate[STAMP]
-                    make_resident(core, c, x, lx, px)
-                    eviction.on_insert(core, ev, c, x, px, s)
-                    if core.pools[px, BYTES] > core.pools[px, BUDGET]:
-                        _trim_step(core, ev, c, px, core.istate[STAMP])
-                    rc[RunCount.BACKGROUND_ADMISSIONS] += 1
-                    lc[lx, LayerCount.BACKGROUND_ADMISSIONS] += 1
-                x = next_completion(link, t0)
             core.istate[STAMP] += 1
             stamp = core.istate[STAMP]
 
@@ -170,7 +154,30 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                         n_unique += 1
 
             t1 = t0 + c.nonexpert_us[layer]
-            clock = t1
+            # the expert phase starts: background transfers completed by t1 become resident,
+            # each admitted expert evicted after every other resident not selected in the step
+            if link.qstate[Q_LEN] > 0:
+                advance(core.resident, rc, link, t1, s)
+            x, source = next_completion(link, t1)
+            while x >= 0:
+                lx = x // E
+                if core.resident[x]:  # fetched meanwhile: the copy served nothing
+                    wasted_background(rc, source, c.expert_bytes[lx])
+                else:
+                    px = c.pool_of_layer[lx]
+                    selected = core.mark[x] == stamp
+                    core.mark[x] = stamp
+                    make_resident(core, c, x, lx, px)
+                    core.src[x] = source
+                    core.fresh[x] = 1
+                    eviction.on_insert(core, ev, c, x, px, s)
+                    if core.pools[px, BYTES] > core.pools[px, BUDGET]:
+                        _trim_step(core, ev, c, px, stamp)
+                    if not selected:  # it may serve as a substitute in this step
+                        core.mark[x] = stamp - 1
+                    rc[RunCount.BACKGROUND_ADMISSIONS] += 1
+                    lc[lx, LayerCount.BACKGROUND_ADMISSIONS] += 1
+                x, source = next_completion(link, t1)
             if decode:
                 hits = 0
                 fetches = 0
@@ -186,7 +193,10 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                     if core.resident[x]:
                         hits += 1
                         eviction.on_use(core, ev, c, x, p, s)
+                        used(core, x)
                         continue
+                    if link.pending[x] == PREFETCH:
+                        rc[RunCount.LATE_PREFETCHES] += 1
                     gate = np.float64(gates[a, layer, i])
                     if not miss_rule.fetch(rule, i, gate):
                         if miss_action.serve(act, i, gate) == CPU:
@@ -200,13 +210,14 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                                 lc[layer, LayerCount.FIRST_CHOICE_SUBSTITUTIONS] += 1
                             core.mark[y] = stamp
                             eviction.on_use(core, ev, c, y, p, s)
+                            used(core, y)
                             m += gate
                             admission.on_substitute(core, adm, c, link, x, gate, t1)
                             continue
                         forced += 1
                     fetches += 1
                     n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
-                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch)
+                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s)
                 stall = clock - t1
                 gpu_phase = (hits + fetches + substitutions) * c.gpu_expert_us[layer]
                 cpu_phase = cpu_calls * c.cpu_expert_us[layer]
@@ -231,9 +242,10 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                     if core.resident[x]:
                         hits += 1
                         eviction.on_use(core, ev, c, x, p, s)
+                        used(core, x)
                     else:
                         n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
-                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch)
+                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s)
                 fetches = n_unique - hits
                 stall = clock - t1
                 end = clock + n_unique * c.gpu_expert_us[layer]
@@ -241,6 +253,11 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, out):
                 rc[RunCount.PREFILL_HITS] += hits
             if core.pools[p, BYTES] > core.pools[p, BUDGET]:
                 _trim_step(core, ev, c, p, stamp)
+            if decode:
+                if pf.top_p > 0 and layer + pf.distance < L:
+                    n = predictor.predict(core, pr, c, ch, a, layer, pf.distance, pf.top_p, pf.buf)
+                    prefetch.issue(core, pf, c, link, n, t1, s)
+                predictor.observe(core, pr, c, ch, a, layer)
             core.fstate[CLOCK] = end
             group_stall += stall
             group_hits += hits
@@ -304,6 +321,8 @@ class KernelSimulator:
             mods["miss_action"].make_state(params),
             mods["substitute"].make_state(params),
             mods["admission"].make_state(params),
+            mods["predictor"].make_state(params, self.layout),
+            mods["prefetch"].make_state(params),
         )
         L, E, K = params.num_layers, params.num_experts, params.top_k
         self._no_logits = np.zeros((0, L, E), np.float32)

@@ -27,13 +27,15 @@ import numpy as np
 
 from simulator.engine.layout import Layout
 from simulator.engine.params import SimParams
+from simulator.engine.state import PREFETCH
 from simulator.engine.structures import HEAD, Lists, list_append, list_unlink, make_lists
 from simulator.jit import jit
 from simulator.metrics import RunCount
 
 # LinkState.qstate[] entries: queue head, its length, how many entries passed their first
-# stage (from the head), completions ring head and length, host RAM bytes (pinned, pageable)
-Q_HEAD, Q_LEN, Q_STAGED, D_HEAD, D_LEN, PINNED_BYTES, PAGEABLE_BYTES = range(7)
+# stage (from the head), completions ring head and length, host RAM bytes (pinned, pageable),
+# bytes of prefetches queued or in flight
+Q_HEAD, Q_LEN, Q_STAGED, D_HEAD, D_LEN, PINNED_BYTES, PAGEABLE_BYTES, PREFETCH_BYTES = range(8)
 # LinkState.tstate[] entries: when the link and the SSD finish what they were given
 LINK_FREE, SSD_FREE = 0, 1
 # where an expert is in host RAM (LinkState.where), and the tier's two LRU lists (Lists rows)
@@ -50,15 +52,17 @@ class LinkState(NamedTuple):
     ssd_us: np.ndarray  # float64[L]: ssd_latency_us + bytes / ssd_bytes_per_us
     ram_budget: int  # bytes of experts host RAM holds; -1 = all
     pinned_budget: int  # bytes of host RAM that are pinned; -1 = all
-    pending: np.ndarray  # int8[X]: queued or in flight
+    cancel_stale: bool  # drop a queued prefetch once its target step has passed
+    pending: np.ndarray  # int8[X]: 0, or the source (ADMISSION, PREFETCH) of its queued or flying transfer
     q_x: np.ndarray  # int32[X] queue ring: expert
     q_enqueued: np.ndarray  # float64[X]: enqueue time
     q_ready: np.ndarray  # float64[X]: when its copy may start (its read's end)
     q_pageable: np.ndarray  # int8[X]: its copy reads pageable memory
     q_state: np.ndarray  # int8[X]: WAITING, STAGED, DROPPED
+    q_deadline: np.ndarray  # int64[X]: a prefetch's target step (stale after it); -1 never
     done_x: np.ndarray  # int32[X] completions ring: expert
     done_t: np.ndarray  # float64[X]: end time
-    qstate: np.ndarray  # int64[7]
+    qstate: np.ndarray  # int64[8]
     tstate: np.ndarray  # float64[2]
     ram: Lists  # list 0: pinned, list 1: pageable; least recently used at the head
     where: np.ndarray  # int8[X]: NOT_IN_RAM, PINNED, PAGEABLE
@@ -79,15 +83,17 @@ def make_link_state(params: SimParams, layout: Layout) -> LinkState:
         ssd_us=layout.ssd_us,
         ram_budget=int(params.host_ram_budget_bytes),
         pinned_budget=int(params.host_pinned_budget_bytes),
+        cancel_stale=bool(params.options.get("cancel_stale", True)),
         pending=np.zeros(X, np.int8),
         q_x=np.zeros(X, np.int32),
         q_enqueued=np.zeros(X, np.float64),
         q_ready=np.zeros(X, np.float64),
         q_pageable=np.zeros(X, np.int8),
         q_state=np.zeros(X, np.int8),
+        q_deadline=np.zeros(X, np.int64),
         done_x=np.zeros(X, np.int32),
         done_t=np.zeros(X, np.float64),
-        qstate=np.zeros(7, np.int64),
+        qstate=np.zeros(8, np.int64),
         tstate=np.zeros(2, np.float64),
         ram=make_lists(X, 2),
         where=np.zeros(X, np.int8),
@@ -195,9 +201,23 @@ def _read(link, x, ready):
     return end
 
 
+@jit(allocates=False, inline=True)
+def _stale(link, i, step):
+    return link.cancel_stale and 0 <= link.q_deadline[i] < step
+
+
+@jit(allocates=False, inline=True)
+def _leave(link, x):
+    """x's background transfer is over (dropped or completed): it may be queued again."""
+    if link.pending[x] == PREFETCH:
+        link.qstate[PREFETCH_BYTES] -= link.expert_bytes[x // link.num_experts]
+    link.pending[x] = 0
+
+
 @jit(allocates=False)
-def advance(resident, run_counts, link, t):
-    """Start the background stages that can begin before t; record completed copies."""
+def advance(resident, run_counts, link, t, step):
+    """Start the background stages that can begin before t (at step ``step``, which makes
+    prefetches for earlier steps stale); record completed copies."""
     st = link.qstate
     cap = link.q_x.shape[0]
     progressed = True
@@ -213,7 +233,7 @@ def advance(resident, run_counts, link, t):
                 link.q_state[i] = STAGED
                 st[Q_STAGED] += 1
                 progressed = True
-            elif resident[x]:
+            elif resident[x] or _stale(link, i, step):
                 link.q_state[i] = DROPPED
                 st[Q_STAGED] += 1
                 progressed = True
@@ -227,18 +247,20 @@ def advance(resident, run_counts, link, t):
         if st[Q_STAGED] > 0 and link.tstate[LINK_FREE] < t:  # the copy of the head
             i = st[Q_HEAD]
             x = link.q_x[i]
-            drop = link.q_state[i] == DROPPED or resident[x]
-            if not drop:
+            if link.q_state[i] == DROPPED or resident[x] or _stale(link, i, step):
+                _leave(link, x)
+            else:
                 if max(link.tstate[LINK_FREE], link.q_ready[i]) >= t:
                     continue
                 end = _copy(run_counts, link, x, link.q_ready[i], link.q_pageable[i])
-                run_counts[RunCount.BACKGROUND_BYTES] += link.expert_bytes[x // link.num_experts]
+                size = link.expert_bytes[x // link.num_experts]
+                run_counts[RunCount.BACKGROUND_BYTES] += size
+                if link.pending[x] == PREFETCH:
+                    run_counts[RunCount.PREFETCH_BYTES] += size
                 d = (st[D_HEAD] + st[D_LEN]) % cap
                 link.done_x[d] = x
                 link.done_t[d] = end
                 st[D_LEN] += 1
-            else:
-                link.pending[x] = 0
             st[Q_HEAD] = (i + 1) % cap
             st[Q_LEN] -= 1
             st[Q_STAGED] -= 1
@@ -246,12 +268,13 @@ def advance(resident, run_counts, link, t):
 
 
 @jit(allocates=False, inline=True)
-def sync_fetches(resident, run_counts, link, t1, n):
+def sync_fetches(resident, run_counts, link, t1, n, step):
     """The step's synchronous fetches ``link.fetch_x[:n]``, issued at t1; returns the clock at
     the end of the last copy (t1 without fetches).
 
-    The background queue was advanced to t1 when the step's first fetch was decided (before it
-    became resident); a copy that waits for its read lets the queue advance to the read's end.
+    The background queue was advanced to t1 when the step's expert phase began (before its
+    fetches became resident); a copy that waits for its read lets the queue advance to the read's
+    end.
     """
     for j in range(n):
         x = link.fetch_x[j]
@@ -262,47 +285,55 @@ def sync_fetches(resident, run_counts, link, t1, n):
     for j in range(n):
         ready = link.fetch_ready[j]
         if ready > t1 and link.qstate[Q_LEN] > 0:
-            advance(resident, run_counts, link, ready)
+            advance(resident, run_counts, link, ready, step)
         clock = _copy(run_counts, link, link.fetch_x[j], ready, link.fetch_pageable[j])
     return clock
 
 
 @jit(allocates=False, inline=True)
-def enqueue(run_counts, link, x, t):
-    """Queue x for a background transfer at time t, unless it is queued or in flight."""
+def enqueue(run_counts, link, x, t, source, deadline):
+    """Queue x for a background transfer at time t by ``source`` (ADMISSION, PREFETCH; a
+    prefetch is stale after step ``deadline``, -1 never), unless it is queued or in flight."""
     if link.pending[x]:
         return
-    link.pending[x] = 1
+    link.pending[x] = source
     st = link.qstate
     q = (st[Q_HEAD] + st[Q_LEN]) % link.q_x.shape[0]
     link.q_x[q] = x
     link.q_enqueued[q] = t
     link.q_state[q] = WAITING
+    link.q_deadline[q] = deadline
     st[Q_LEN] += 1
-    run_counts[RunCount.BACKGROUND_ENQUEUED] += 1
+    if source == PREFETCH:
+        st[PREFETCH_BYTES] += link.expert_bytes[x // link.num_experts]
+        run_counts[RunCount.PREFETCHES] += 1
+    else:
+        run_counts[RunCount.BACKGROUND_ENQUEUED] += 1
 
 
 @jit(allocates=False, inline=True)
 def next_completion(link, t0):
-    """Pop the next recorded completion with end <= t0: its expert, or -1 if there is none."""
+    """Pop the next recorded completion with end <= t0: ``(x, source)``, or (-1, 0) if none."""
     st = link.qstate
     if st[D_LEN] == 0 or link.done_t[st[D_HEAD]] > t0:
-        return -1
+        return -1, 0
     x = link.done_x[st[D_HEAD]]
     st[D_HEAD] = (st[D_HEAD] + 1) % link.done_x.shape[0]
     st[D_LEN] -= 1
-    link.pending[x] = 0
-    return x
+    source = link.pending[x]
+    _leave(link, x)
+    return x, source
 
 
 # ---- the reference twin ------------------------------------------------------------------
 
 
 class _Entry:
-    __slots__ = ("x", "enqueued", "ready", "pageable", "state")
+    __slots__ = ("x", "enqueued", "deadline", "ready", "pageable", "state")
 
-    def __init__(self, x: int, enqueued: float):
-        self.x, self.enqueued, self.ready, self.pageable, self.state = x, enqueued, 0.0, False, WAITING
+    def __init__(self, x: int, enqueued: float, deadline: int):
+        self.x, self.enqueued, self.deadline = x, enqueued, deadline
+        self.ready, self.pageable, self.state = 0.0, False, WAITING
 
 
 class ReferenceLink:
@@ -318,10 +349,12 @@ class ReferenceLink:
         self.ssd_us = [float(v) for v in layout.ssd_us]
         self.ram_budget = int(params.host_ram_budget_bytes)
         self.pinned_budget = int(params.host_pinned_budget_bytes)
+        self.cancel_stale = bool(params.options.get("cancel_stale", True))
+        self.prefetch_bytes = 0  # of prefetches queued or in flight
         self.queue: list[_Entry] = []  # from the head; entries before ``staged`` passed stage one
         self.staged = 0
         self.completions: list[tuple[float, int]] = []  # (end time, x), in order
-        self.pending: set[int] = set()  # queued or in flight
+        self.pending: dict[int, int] = {}  # x -> source of its queued or flying transfer
         self.link_free_us = 0.0
         self.ssd_free_us = 0.0
         self.pinned: dict[int, None] = {}  # least recently used first
@@ -391,8 +424,17 @@ class ReferenceLink:
         self.ssd_free_us = end
         return end
 
-    def advance(self, t: float) -> None:
-        """Start the background stages that can begin before t."""
+    def _stale(self, e: _Entry, step: int) -> bool:
+        return self.cancel_stale and 0 <= e.deadline < step
+
+    def _leave(self, x: int) -> int:
+        source = self.pending.pop(x)
+        if source == PREFETCH:
+            self.prefetch_bytes -= self._size(x)
+        return source
+
+    def advance(self, t: float, step: int) -> None:
+        """Start the background stages that can begin before t (at step ``step``)."""
         progressed = True
         while progressed and self.queue:
             progressed = False
@@ -403,7 +445,7 @@ class ReferenceLink:
                     e.ready, e.state = e.enqueued, STAGED
                     self.staged += 1
                     progressed = True
-                elif self.sim.resident[e.x]:
+                elif self.sim.resident[e.x] or self._stale(e, step):
                     e.state = DROPPED
                     self.staged += 1
                     progressed = True
@@ -414,22 +456,24 @@ class ReferenceLink:
                     progressed = True
             if self.staged > 0 and self.link_free_us < t:
                 e = self.queue[0]
-                if e.state == DROPPED or self.sim.resident[e.x]:
-                    self.pending.discard(e.x)
+                if e.state == DROPPED or self.sim.resident[e.x] or self._stale(e, step):
+                    self._leave(e.x)
                 else:
                     if max(self.link_free_us, e.ready) >= t:
                         continue
                     start, end = self._copy(e.x, e.ready, e.pageable)
                     self.sim.count(RunCount.BACKGROUND_BYTES, self._size(e.x))
+                    if self.pending[e.x] == PREFETCH:
+                        self.sim.count(RunCount.PREFETCH_BYTES, self._size(e.x))
                     self.completions.append((end, e.x))
                     self.sim.emit("transfer_start", e.x, start, end)
                 self.queue.pop(0)
                 self.staged -= 1
                 progressed = True
 
-    def sync_fetches(self, t1: float, xs: list[int]) -> float:
+    def sync_fetches(self, t1: float, xs: list[int], step: int) -> float:
         """The step's synchronous fetches of ``xs``, issued at t1; the clock after the last (the
-        queue was advanced to t1 before the first of them became resident)."""
+        queue was advanced to t1 before they became resident)."""
         staged = []
         for x in xs:
             needs_read, pageable = self.tier_access(x)
@@ -437,23 +481,27 @@ class ReferenceLink:
         clock = t1
         for x, ready, pageable in staged:
             if ready > t1:
-                self.advance(ready)
+                self.advance(ready, step)
             clock = self._copy(x, ready, pageable)[1]
         return clock
 
-    def enqueue(self, x: int, t: float) -> None:
+    def enqueue(self, x: int, t: float, source: int, deadline: int = -1) -> None:
         if x in self.pending:
             return
-        self.pending.add(x)
-        self.queue.append(_Entry(x, t))
-        self.sim.count(RunCount.BACKGROUND_ENQUEUED)
+        self.pending[x] = source
+        self.queue.append(_Entry(x, t, deadline))
+        if source == PREFETCH:
+            self.prefetch_bytes += self._size(x)
+            self.sim.count(RunCount.PREFETCHES)
+        else:
+            self.sim.count(RunCount.BACKGROUND_ENQUEUED)
         self.sim.emit("enqueue", x, t)
 
-    def next_completion(self, t0: float) -> int | None:
-        """Pop the next recorded completion with end <= t0: its expert (no longer pending)."""
+    def next_completion(self, t0: float) -> tuple[int, int] | None:
+        """Pop the next recorded completion with end <= t0: ``(x, source)``."""
         if not self.completions or self.completions[0][0] > t0:
             return None
         end, x = self.completions.pop(0)
-        self.pending.discard(x)
+        source = self._leave(x)
         self.sim.emit("transfer_done", x, end)
-        return x
+        return x, source

@@ -51,6 +51,8 @@ class SimParams:
     cpu_expert_us: np.ndarray  # float64[L]: one expert call on the CPU (miss action cpu)
     seed: int = 0
     miss_rule: str = "threshold"  # simulator.policies.miss_rule
+    predictor: str = "none"  # simulator.policies.predictor: what prefetch predicts from
+    prefetch: str = "topp"  # simulator.policies.prefetch (inactive while the predictor is none)
     options: dict = field(default_factory=dict)  # the chosen variants' own options, by name
     # hardware terms with neutral defaults (profiles without them model nothing extra)
     pcie_idle_latency_us: float | None = None  # a copy starting on an idle link; None: as pcie

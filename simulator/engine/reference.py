@@ -25,6 +25,7 @@ import numpy as np
 from simulator.engine.layout import frequency_fill, make_layout
 from simulator.engine.link import ReferenceLink
 from simulator.engine.params import CPU, FETCH, FORCED_FETCH, HIT, SUBSTITUTE, SimParams
+from simulator.engine.state import ADMISSION, DEMAND, PREFETCH
 from simulator.metrics import (
     LAYER,
     LAYER_SUMS,
@@ -132,6 +133,8 @@ class ReferenceSimulator:
         self.members: list[list[int]] = [[] for _ in self._budget]  # swap-removed
         self.pool_bytes = [0] * len(self._budget)
         self.freq = [0.0] * X
+        self.src = [DEMAND] * X  # what made a resident resident
+        self.fresh = [False] * X  # a background arrival not used yet
         self.inc = 1.0
         self.clock_us = 0.0
         self._step = -1
@@ -147,6 +150,9 @@ class ReferenceSimulator:
         self.miss_action = mods["miss_action"].Reference(self)
         self.substitute = mods["substitute"].Reference(self)
         self.admission = mods["admission"].Reference(self)
+        self.predictor = mods["predictor"].Reference(self)
+        self.prefetch = mods["prefetch"].Reference(self)
+        self._prefetch_state = mods["prefetch"].make_state(params)
         self.link = ReferenceLink(self, params, self.layout)
 
         self._tokens: dict[str, list] = {m.name: [] for m in (*TOKEN_IDS, *TOKEN)}
@@ -176,6 +182,7 @@ class ReferenceSimulator:
         self.resident[x] = True
         self.members[p].append(x)
         self.pool_bytes[p] += self.expert_size(x)
+        self.src[x], self.fresh[x] = DEMAND, False
         self.eviction.on_insert(x, step)
         self.emit("insert", x, self.clock_us)
 
@@ -188,6 +195,9 @@ class ReferenceSimulator:
         self.resident[x] = False
         self.pool_bytes[p] -= self.expert_size(x)
         self.count(RunCount.EVICTIONS)
+        if self.fresh[x]:
+            self.fresh[x] = False
+            self._wasted(self.src[x], self.expert_size(x))
         self.eviction.on_evict(x)
         self.emit("evict", x, self.clock_us)
 
@@ -202,23 +212,55 @@ class ReferenceSimulator:
         self.eviction.on_select(x, layer, step, token, next_group)
 
     def _fetch(self, x: int, step: int, t1: float, fetched: list[int]) -> None:
-        """A synchronous fetch of x: resident at once, timed with the step's other fetches (the
-        queue advances to t1 before the step's first fetch becomes resident)."""
-        if not fetched:
-            self.link.advance(t1)
+        """A synchronous fetch of x: resident at once, timed with the step's other fetches."""
         fetched.append(x)
         self._insert(x, step)
 
-    def _apply_completions(self, t0: float, step: int) -> None:
-        x = self.link.next_completion(t0)
-        while x is not None:
-            if not self.resident[x]:
+    def _wasted(self, source: int, size: int) -> None:
+        """The copied bytes of a background transfer that served no use."""
+        if source == ADMISSION:
+            self.count(RunCount.WASTED_ADMISSIONS)
+            self.count(RunCount.WASTED_ADMISSION_BYTES, size)
+        else:
+            self.count(RunCount.WASTED_PREFETCH_BYTES, size)
+
+    def _used(self, x: int, step: int) -> None:
+        """A hit or substitute use of resident x."""
+        self.eviction.on_use(x, step)
+        if self.fresh[x]:
+            self.fresh[x] = False
+            if self.src[x] == PREFETCH:
+                self.count(RunCount.USEFUL_PREFETCHES)
+
+    def _prefetch(self, chunk, row: int, layer: int, t1: float, step: int) -> None:
+        """After a decode step: the predictor's experts for layer + distance, to prefetch."""
+        pf = self._prefetch_state
+        if pf.top_p > 0 and layer + pf.distance < self.params.num_layers:
+            if chunk is None:
+                raise ValueError("prefetch needs the step's chunk and row (decode_step(chunk=, row=))")
+            self.prefetch.issue(self.predictor.predict(chunk, row, layer, pf.distance, pf.top_p),
+                                t1, step)
+        if chunk is not None:
+            self.predictor.observe(chunk, row, layer)
+
+    def _expert_phase(self, t1: float, step: int, selected: set[int]) -> None:
+        """The step's expert phase starts at t1: background transfers completed by then become
+        resident, each admitted expert evicted after every other resident not ``selected``."""
+        self.link.advance(t1, step)
+        done = self.link.next_completion(t1)
+        while done is not None:
+            x, source = done
+            if self.resident[x]:  # fetched meanwhile: the copy served nothing
+                self._wasted(source, self.expert_size(x))
+            else:
                 self._insert(x, step)
-                self._trim(self.pool_of(x), pinned={x})
+                self.src[x], self.fresh[x] = source, True
+                self._trim(self.pool_of(x), pinned=selected | {x})
                 self.count(RunCount.BACKGROUND_ADMISSIONS)
                 self.layer_counts[x // self.params.num_experts,
                                   LayerCount.BACKGROUND_ADMISSIONS] += 1
-            x = self.link.next_completion(t0)
+            done = self.link.next_completion(t1)
+        self.emit("step", -1, t1)
 
     # ---- groups and steps --------------------------------------------------------------
 
@@ -266,11 +308,7 @@ class ReferenceSimulator:
         g.next_layer += 1
         step = g.ordinal * self.params.num_layers + layer
         self._step = step
-        t0 = self.clock_us
-        self.link.advance(t0)
-        self._apply_completions(t0, step)
-        self.emit("step", -1, t0)
-        return step, t0
+        return step, self.clock_us
 
     def _end_step(self, layer: int, decision: StepDecision) -> StepDecision:
         if self.observer is not None:
@@ -278,12 +316,14 @@ class ReferenceSimulator:
         self._step = -1
         return decision
 
-    def decode_step(self, layer: int, experts, gates, logits=None, next_use=None) -> StepDecision:
+    def decode_step(self, layer: int, experts, gates, logits=None, next_use=None, chunk=None,
+                    row: int = -1) -> StepDecision:
         """One decode token at one layer.
 
         ``experts``: int[k] selected expert ids (rank order); ``gates``: float[k] normalised gate
         weights; ``logits``: float[E] router logits (needed for substitute_by=logit);
-        ``next_use``: int[k] next-use group ordinals (belady).
+        ``next_use``: int[k] next-use group ordinals (belady); ``chunk``, ``row``: the TraceChunk
+        and the token's row in it, which predictors read (prefetch).
         """
         E = self.params.num_experts
         step, t0 = self._begin_step(layer, PHASE_DECODE)
@@ -294,6 +334,7 @@ class ReferenceSimulator:
             self._select(x, layer, step, 0, None if next_use is None else next_use[i])
 
         t1 = t0 + self._nonexpert_us[layer]
+        self._expert_phase(t1, step, set(xs))
         fetched: list[int] = []
         used: set[int] = set()
         substituted: set[int] = set()
@@ -301,9 +342,11 @@ class ReferenceSimulator:
         mass = 0.0
         for i, (x, g) in enumerate(zip(xs, gs, strict=True)):
             sub = -1
+            if not self.resident[x] and self.link.pending.get(x) == PREFETCH:
+                self.count(RunCount.LATE_PREFETCHES)  # missed while its prefetch is on the way
             if self.resident[x]:
                 code = HIT
-                self.eviction.on_use(x, step)
+                self._used(x, step)
             elif self.miss_rule.fetch(i, g):
                 code = FETCH
             elif self.miss_action.serve(i, g) == CPU:
@@ -317,7 +360,7 @@ class ReferenceSimulator:
                     sub = y - base
                     substituted.add(y)
                     used.add(y)
-                    self.eviction.on_use(y, step)
+                    self._used(y, step)
                     mass += g
                     self.admission.on_substitute(x, g, t1)
             if code in (FETCH, FORCED_FETCH):
@@ -327,7 +370,7 @@ class ReferenceSimulator:
             codes.append(code)
             subs.append(sub)
 
-        clock = self.link.sync_fetches(t1, fetched)
+        clock = self.link.sync_fetches(t1, fetched, step)
         hits = codes.count(HIT)
         forced = codes.count(FORCED_FETCH)
         fetches = codes.count(FETCH) + forced
@@ -338,6 +381,7 @@ class ReferenceSimulator:
         cpu_us = cpu_calls * self._cpu_expert_us[layer]
         end = clock + max(gpu_us, cpu_us)
         self._trim(self._pool_of_layer[layer], used)
+        self._prefetch(chunk, row, layer, t1, step)
         self.clock_us = end
 
         lc = self.layer_counts[layer]
@@ -375,16 +419,17 @@ class ReferenceSimulator:
         unique = list(dict.fromkeys(x for row in rows for x in row))
 
         t1 = t0 + self._nonexpert_us[layer]
+        self._expert_phase(t1, step, set(unique))
         fetched: list[int] = []
         codes = []
         for x in unique:
             if self.resident[x]:
                 codes.append(HIT)
-                self.eviction.on_use(x, step)
+                self._used(x, step)
             else:
                 codes.append(FETCH)
                 self._fetch(x, step, t1, fetched)
-        clock = self.link.sync_fetches(t1, fetched)
+        clock = self.link.sync_fetches(t1, fetched, step)
         stall = clock - t1
         end = clock + len(unique) * self._gpu_expert_us[layer]
         self._trim(self._pool_of_layer[layer], set(unique))
@@ -446,7 +491,7 @@ class ReferenceSimulator:
                 if phase == PHASE_DECODE:
                     self.decode_step(layer, chunk.experts[a, layer], chunk.gates[a, layer],
                                      chunk.logits[a, layer] if has_logits else None,
-                                     None if nu is None else nu[0])
+                                     None if nu is None else nu[0], chunk, a)
                 else:
                     self.prefill_step(layer, chunk.experts[a:b, layer], nu)
             self.end_group()

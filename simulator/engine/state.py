@@ -24,6 +24,8 @@ from simulator.metrics import LAYER, LAYER_SUMS, MASS_BINS, RUN, RunCount
 
 # columns of CoreState.pools[P, 2]
 BUDGET, BYTES = 0, 1
+# where a resident came from (CoreState.src) and the source tag of a background transfer
+DEMAND, ADMISSION, PREFETCH = 0, 1, 2
 # CoreState.istate[] entries
 STAMP = 0
 N_ISTATE = 1
@@ -54,6 +56,8 @@ class CoreState(NamedTuple):
     layer_res_n: np.ndarray  # int32[L]
     res_pos: np.ndarray  # int32[X]: position of a resident in its layer's list
     mark: np.ndarray  # int64[X]: the stamp of the step that last used or selected x
+    src: np.ndarray  # int8[X]: DEMAND, ADMISSION or PREFETCH: what made the resident resident
+    fresh: np.ndarray  # int8[X]: 1 while a background arrival has not been used
     freq: np.ndarray  # float64[X]: selection frequency (scaled by INC, docs/semantics.md)
     pools: np.ndarray  # int64[P, 2]: BUDGET, BYTES
     istate: np.ndarray  # int64[N_ISTATE]
@@ -96,6 +100,8 @@ def make_core_state(params: SimParams, layout: Layout) -> CoreState:
         layer_res_n=np.zeros(L, np.int32),
         res_pos=np.zeros(X, np.int32),
         mark=np.zeros(X, np.int64),
+        src=np.zeros(X, np.int8),
+        fresh=np.zeros(X, np.int8),
         freq=np.zeros(X, np.float64),
         pools=pools,
         istate=np.zeros(N_ISTATE, np.int64),
@@ -118,6 +124,8 @@ def make_resident(core, c, x, layer, p):
     core.res_pos[x] = n
     core.layer_res_n[layer] = n + 1
     core.pools[p, BYTES] += c.expert_bytes[layer]
+    core.src[x] = DEMAND
+    core.fresh[x] = 0
 
 
 @jit(allocates=False, inline=True)
@@ -132,6 +140,28 @@ def drop(core, c, x, p):
     core.layer_res_n[layer] = n
     core.pools[p, BYTES] -= c.expert_bytes[layer]
     core.run_counts[RunCount.EVICTIONS] += 1
+    if core.fresh[x]:  # a background arrival evicted before any use
+        core.fresh[x] = 0
+        wasted_background(core.run_counts, core.src[x], c.expert_bytes[layer])
+
+
+@jit(allocates=False, inline=True)
+def wasted_background(run_counts, source, size):
+    """Count the copied bytes of a background transfer that served no use."""
+    if source == ADMISSION:
+        run_counts[RunCount.WASTED_ADMISSIONS] += 1
+        run_counts[RunCount.WASTED_ADMISSION_BYTES] += size
+    else:
+        run_counts[RunCount.WASTED_PREFETCH_BYTES] += size
+
+
+@jit(allocates=False, inline=True)
+def used(core, x):
+    """A hit or substitute use of resident x: a prefetched arrival's first use makes it useful."""
+    if core.fresh[x]:
+        core.fresh[x] = 0
+        if core.src[x] == PREFETCH:
+            core.run_counts[RunCount.USEFUL_PREFETCHES] += 1
 
 
 @jit(allocates=False, inline=True)

@@ -8,7 +8,9 @@ same meaning; each family's package docstring lists the hooks. Families:
 - ``miss_rule``: which misses are fetched synchronously (threshold: protect_ranks and tau);
 - ``miss_action``: what happens to a miss that is not fetched (substitute, cpu);
 - ``substitute``: which resident runs in place of a missing expert (logit, frequency);
-- ``admission``: background transfers started by substitutions (none, mass: beta).
+- ``admission``: background transfers started by substitutions (none, mass: beta);
+- ``predictor``: which experts a later layer will select (none, lookahead, ...);
+- ``prefetch``: background transfers of predicted experts (none, topp).
 
 A variant's own settings are an ``Options`` dataclass in its module (one field per setting,
 with help text); moe-sim exposes them under the family's config section.
@@ -52,7 +54,7 @@ class Registry(Mapping):
             options = getattr(self[name], "Options", None)
             hints = typing.get_type_hints(options) if options else {}
             for f in dataclasses.fields(options) if options else ():
-                if f.name in out:
+                if f.name in out and out[f.name][0] is not f:  # variants may share one Options
                     raise RuntimeError(f"{self.family}: option '{f.name}' defined twice")
                 out[f.name] = (f, hints[f.name])
         return list(out.values())
@@ -79,20 +81,30 @@ class NoState(NamedTuple):
     """The kernel state of a variant that keeps none."""
 
 
-def no_state(params) -> NoState:
+def no_state(params, *context) -> NoState:
     return NoState()
 
 
-FAMILIES = ("eviction", "miss_rule", "miss_action", "substitute", "admission")
+FAMILIES = ("eviction", "miss_rule", "miss_action", "substitute", "admission", "predictor",
+            "prefetch")
 
 
 def registries() -> dict[str, Registry]:
     """Each family's registry, by the name the engines call its hooks under."""
-    from simulator.policies import admission, eviction, miss_action, miss_rule, substitute
+    from simulator.policies import (
+        admission,
+        eviction,
+        miss_action,
+        miss_rule,
+        predictor,
+        prefetch,
+        substitute,
+    )
 
     return {"eviction": eviction.REGISTRY, "miss_rule": miss_rule.REGISTRY,
             "miss_action": miss_action.REGISTRY, "substitute": substitute.REGISTRY,
-            "admission": admission.REGISTRY}
+            "admission": admission.REGISTRY, "predictor": predictor.REGISTRY,
+            "prefetch": prefetch.REGISTRY}
 
 
 def chosen(params) -> dict[str, str]:
@@ -113,6 +125,8 @@ def chosen(params) -> dict[str, str]:
         "miss_action": action if leaves else "substitute",
         "substitute": params.substitute_by if substitutes else "frequency",
         "admission": "mass" if substitutes and params.beta != float("inf") else "none",
+        "predictor": params.predictor if params.prefetch != "none" else "none",
+        "prefetch": params.prefetch if params.predictor != "none" else "none",
     }
 
 

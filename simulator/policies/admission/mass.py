@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.engine.link import enqueue
+from simulator.engine.state import ADMISSION
 from simulator.jit import jit
 
 
@@ -39,7 +40,7 @@ def on_substitute(core, st, c, link, x, gate, t1):
     new_acc, admit = _accumulate(st.acc[x], gate, st.beta)
     st.acc[x] = new_acc
     if admit:
-        enqueue(core.run_counts, link, x, t1)
+        enqueue(core.run_counts, link, x, t1, ADMISSION, -1)
 
 
 class Reference:
@@ -51,4 +52,4 @@ class Reference:
     def on_substitute(self, x: int, gate: float, t1: float) -> None:
         self.acc[x], admit = accumulate(self.acc[x], gate, self.beta)
         if admit:
-            self.sim.link.enqueue(x, t1)
+            self.sim.link.enqueue(x, t1, ADMISSION)
