@@ -116,6 +116,20 @@ def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tokens_out_of_order_across_units_are_refused_as_one_writer_refuses_them(tmp_path):
+    meta, cols = trace_columns(tokens=40)
+    cols["pos"] = cols["pos"].copy()
+    cols["pos"][20:] -= 3  # token 20 (seq 0 pos 17) starts the third unit and repeats a position
+    errors = []
+    for name, writer in [("one", TraceWriter), ("many", lambda p, m: ParallelTraceWriter(p, m, 10, workers=2))]:
+        path = tmp_path / f"{name}.parquet"
+        with pytest.raises(InputError) as caught, writer(path, meta) as w:
+            w.write(**cols)
+        errors.append(str(caught.value).replace(str(path), "PATH"))
+    assert errors[0] == errors[1] and "seq 0 pos 17: comes after" in errors[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_error_while_writing_leaves_nothing(tmp_path):
     meta, cols = trace_columns()
     path = tmp_path / "t.parquet"

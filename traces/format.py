@@ -928,11 +928,13 @@ class TraceWriter:
     starts. A trace needs at least one token; a full disk or a permission error raises one
     InputError naming ``path``. ``compact_logits``: the smaller, slower logits encoding.
     ``record_content=False``: no content hash is computed or recorded (a part of a file whose
-    hash the caller computes over all parts, from the columns :meth:`write` returns).
+    hash the caller computes over all parts, from the columns :meth:`write` returns); ``after``:
+    the (seq, pos) of the token before the part's first, which the first must follow.
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None,
-                 compact_logits: bool = False, record_content: bool = True):
+                 compact_logits: bool = False, record_content: bool = True,
+                 after: tuple[int, int] | None = None):
         self.path = Path(path)
         self.meta = meta
         self.compact_logits = compact_logits
@@ -949,7 +951,7 @@ class TraceWriter:
         self._schema: pa.Schema | None = None
         self._pending: list[dict[str, np.ndarray]] = []
         self._pending_tokens = 0
-        self._last: tuple[int, int] | None = None
+        self._last = after
         self._content = ContentHash(meta)
         self.num_tokens = 0
 

@@ -71,6 +71,7 @@ class ParallelTraceWriter:
         self._finished: dict[int, tuple] = {}
         self._appended = 0
         self._queued = 0
+        self._last_queued: tuple[int, int] | None = None  # (seq, pos) of the last token queued
         self._error: BaseException | None = None
         self._cancelled = False  # workers skip what is still queued
         self._closed = False
@@ -101,19 +102,22 @@ class ParallelTraceWriter:
         n = pending["seq"].shape[0]
         whole = n if final else n - n % self.unit_tokens
         for start in range(0, whole, self.unit_tokens):
-            self._units.put((self._queued, {name: v[start:start + self.unit_tokens] for name, v in pending.items()}))
+            unit = {name: v[start:start + self.unit_tokens] for name, v in pending.items()}
+            self._units.put((self._queued, self._last_queued, unit))  # each unit checks it follows the last
+            self._last_queued = (int(unit["seq"][-1]), int(unit["pos"][-1]))
             self._queued += 1
         self._pending = [{name: v[whole:] for name, v in pending.items()}] if whole < n else []
         self._pending_tokens = n - whole
 
     def _encode(self) -> None:
         while (item := self._units.get()) is not None:
-            index, cols = item
+            index, after, cols = item
             if self._error is not None or self._cancelled:
                 continue  # drain the queue; close() reports the error
             part = temp_path(self.path.with_name(f"{self.path.name}.part{index:06d}"))
             try:
-                with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens, record_content=False) as writer:
+                with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens, record_content=False,
+                                 after=after) as writer:
                     stored = writer.write(**cols)
                 self._append_in_order(index, (part, *read_footer(part), stored))
             except InputError as e:  # bad rows: name the file the caller asked for
