@@ -469,6 +469,35 @@ def open_writer_units(path, meta, unit_tokens):
     return ParallelTraceWriter(path, meta, unit_tokens=unit_tokens, workers=3)
 
 
+def test_a_capture_in_many_parts_records_the_content_hash_one_writer_of_its_rows_records(tmp_path, capsys):
+    """The joined file's content hash, metadata and page checksums are those of one file."""
+    from traces.capture.capture import build_meta
+    from traces.capture.config import LookaheadConfig
+    from traces.cli import main
+    from traces.format import TraceWriter, recorded_content_hash
+
+    model, wins = tiny_model("qwen3_moe"), windows([12, 7, 15, 9], seed=6)
+    sites = find_routers(model)
+    cfg = CaptureConfig(logits="top:4", batch_size=2, lookahead=LookaheadConfig(enabled=True, logits="top:3"))
+    meta = build_meta(model, sites, "tiny", ["a", "b"], cfg, {})
+    captured: list[Rows] = []
+    many, one = tmp_path / "many.parquet", tmp_path / "one.parquet"
+    with open_writer_units(many, meta, unit_tokens=4) as writer:
+        def write(rows: Rows) -> None:
+            captured.append(rows)
+            writer.write(**rows.columns())
+
+        capture_windows(model, sites, wins, cfg, write)
+    with TraceWriter(one, meta) as writer:
+        for rows in captured:
+            writer.write(**rows.columns())
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(many).metadata.num_row_groups == -(-43 // 4)  # one part per 4 tokens
+    assert recorded_content_hash(many) == recorded_content_hash(one) is not None
+    assert main(["info", str(many), "--verify"]) == 0 and "verified" in capsys.readouterr().out
+
+
 def test_lookahead_settings_are_checked_before_the_model_runs():
     from traces.capture.capture import Storage
     from traces.capture.config import LookaheadConfig

@@ -10,8 +10,9 @@ import pytest
 
 from traces.capture.concat import concat_parquet, read_footer
 from traces.capture.writer import ParallelTraceWriter
+from traces.cli import main as cli_main
 from traces.errors import InputError
-from traces.format import TraceWriter, read_trace
+from traces.format import CONTENT_KEY, TraceWriter, read_trace, recorded_content_hash
 from traces.synth import synth_trace
 
 
@@ -62,7 +63,7 @@ def test_joining_one_file_gives_back_its_bytes(tmp_path):
         with TraceWriter(path, m, row_group_tokens=20) as writer:
             writer.write(**({k: v for k, v in cols.items() if not k.startswith("lookahead")}
                             if name == "plain" else cols))
-        concat_parquet([path], tmp_path / f"{name}_joined.parquet")
+        concat_parquet([path], tmp_path / f"{name}_joined.parquet", recorded_content_hash(path))
         assert (tmp_path / f"{name}_joined.parquet").read_bytes() == path.read_bytes()
         footer, start = read_footer(path)
         assert footer.num_rows == 90 * 3 and footer.row_groups[0] == 5
@@ -115,6 +116,20 @@ def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tokens_out_of_order_across_units_are_refused_as_one_writer_refuses_them(tmp_path):
+    meta, cols = trace_columns(tokens=40)
+    cols["pos"] = cols["pos"].copy()
+    cols["pos"][20:] -= 3  # token 20 (seq 0 pos 17) starts the third unit and repeats a position
+    errors = []
+    for name, writer in [("one", TraceWriter), ("many", lambda p, m: ParallelTraceWriter(p, m, 10, workers=2))]:
+        path = tmp_path / f"{name}.parquet"
+        with pytest.raises(InputError) as caught, writer(path, meta) as w:
+            w.write(**cols)
+        errors.append(str(caught.value).replace(str(path), "PATH"))
+    assert errors[0] == errors[1] and "seq 0 pos 17: comes after" in errors[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_error_while_writing_leaves_nothing(tmp_path):
     meta, cols = trace_columns()
     path = tmp_path / "t.parquet"
@@ -124,9 +139,79 @@ def test_an_error_while_writing_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_empty_capture_is_an_empty_trace(tmp_path):
+def test_an_empty_capture_is_refused_as_a_single_writer_refuses_it(tmp_path):
     meta, _ = trace_columns()
-    with ParallelTraceWriter(tmp_path / "t.parquet", meta, unit_tokens=16):
+    path = tmp_path / "t.parquet"
+    with pytest.raises(InputError) as caught, ParallelTraceWriter(path, meta, unit_tokens=16):
         pass
-    back, chunk = read_trace(tmp_path / "t.parquet")
-    assert back == meta and chunk.num_tokens == 0
+    assert str(caught.value) == f"{path}: no tokens were written; a trace needs at least one token"
+    assert list(tmp_path.iterdir()) == []
+
+
+def parallel_and_single(tmp_path, unit_tokens, workers, **trace):
+    """The same tokens written by TraceWriter (one.parquet) and ParallelTraceWriter (many.parquet)."""
+    meta, cols = trace_columns(**trace)
+    one, many = tmp_path / "one.parquet", tmp_path / "many.parquet"
+    with TraceWriter(one, meta) as writer:
+        writer.write(**cols)
+    with ParallelTraceWriter(many, meta, unit_tokens=unit_tokens, workers=workers) as writer:
+        for block in blocks(cols, [3, 50, 51, 200]):
+            writer.write(**block)
+    return one, many
+
+
+@pytest.mark.parametrize(("unit_tokens", "workers", "top_r"), [(7, 3, 6), (64, 2, 0), (1000, 1, 6)])
+def test_the_joined_file_records_the_content_hash_and_metadata_one_writer_records(
+        tmp_path, capsys, unit_tokens, workers, top_r):
+    one, many = parallel_and_single(tmp_path, unit_tokens, workers, top_r=top_r)
+    assert recorded_content_hash(many) == recorded_content_hash(one) is not None
+    assert pq.read_metadata(many).metadata == pq.read_metadata(one).metadata  # moe_trace, its SHA-256, ...
+    assert cli_main(["info", str(many), "--verify"]) == 0
+    assert f"content {recorded_content_hash(one)} and every page checksum verified" in capsys.readouterr().out
+    (tmp_path / "other").mkdir()
+    _, other = parallel_and_single(tmp_path / "other", unit_tokens, workers, top_r=top_r, seed=5)
+    assert recorded_content_hash(other) != recorded_content_hash(many)  # it covers the tokens
+
+
+def test_a_flipped_byte_in_the_pages_of_any_part_is_detected_on_read(tmp_path):
+    _, many = parallel_and_single(tmp_path, unit_tokens=64, workers=3)
+    data = many.read_bytes()
+    md = pq.read_metadata(many)
+    assert md.num_row_groups == 5
+    for group in (0, 2, 4):  # the first part, one in the middle and the last
+        for c in range(md.num_columns):
+            col = md.row_group(group).column(c)
+            end = min(o for o in (col.dictionary_page_offset, col.data_page_offset) if o is not None) \
+                + col.total_compressed_size
+            flipped = bytearray(data)
+            flipped[end - 1] ^= 0x10  # the last page's data, after its header
+            bad = tmp_path / "flipped.parquet"
+            bad.write_bytes(bytes(flipped))
+            with pytest.raises(InputError, match="CRC checksum verification failed"):
+                read_trace(bad)
+
+
+def test_the_join_compares_every_metadata_entry_but_the_content_hash_and_records_the_one_given(tmp_path):
+    meta, cols = trace_columns(tokens=60, seed=3)
+    first, second = blocks(cols, [30])
+    parts = [tmp_path / "a.parquet", tmp_path / "b.parquet", tmp_path / "renamed.parquet"]
+    for path, block, m in zip(parts, [first, second, second], [meta, meta, replace(meta, model="other")], strict=True):
+        with TraceWriter(path, m) as writer:
+            writer.write(**block)
+    with pytest.raises(ValueError, match="renamed.parquet: schema or metadata differs"):
+        concat_parquet([parts[0], parts[2]], tmp_path / "bad.parquet")
+    concat_parquet(parts[:2], tmp_path / "none.parquet")  # the parts' own hashes are not kept
+    assert recorded_content_hash(tmp_path / "none.parquet") is None
+    kv = pq.read_metadata(parts[0]).metadata
+    assert pq.read_metadata(tmp_path / "none.parquet").metadata == {k: v for k, v in kv.items() if k != CONTENT_KEY}
+    # files without key-value metadata: the field is added, and left out again
+    plain = [tmp_path / "p0.parquet", tmp_path / "p1.parquet"]
+    for i, path in enumerate(plain):
+        pq.write_table(pa.table({"x": np.arange(i, i + 5)}), path, store_schema=False)
+    assert pq.read_metadata(plain[0]).metadata is None
+    digest = "sha256:" + "ab" * 32
+    concat_parquet(plain, tmp_path / "plain.parquet", digest)
+    assert pq.read_metadata(tmp_path / "plain.parquet").metadata == {CONTENT_KEY: digest.encode()}
+    assert pq.read_table(tmp_path / "plain.parquet")["x"].to_pylist() == [0, 1, 2, 3, 4, 1, 2, 3, 4, 5]
+    concat_parquet([tmp_path / "plain.parquet"], tmp_path / "again.parquet")
+    assert pq.read_metadata(tmp_path / "again.parquet").metadata is None

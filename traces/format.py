@@ -927,13 +927,18 @@ class TraceWriter:
     temporaries of writers killed before them are removed when the next writer to ``path``
     starts. A trace needs at least one token; a full disk or a permission error raises one
     InputError naming ``path``. ``compact_logits``: the smaller, slower logits encoding.
+    ``record_content=False``: no content hash is computed or recorded (a part of a file whose
+    hash the caller computes over all parts, from the columns :meth:`write` returns); ``after``:
+    the (seq, pos) of the token before the part's first, which the first must follow.
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, row_group_tokens: int | None = None,
-                 compact_logits: bool = False):
+                 compact_logits: bool = False, record_content: bool = True,
+                 after: tuple[int, int] | None = None):
         self.path = Path(path)
         self.meta = meta
         self.compact_logits = compact_logits
+        self.record_content = record_content
         meta.check(str(self.path))
         self.row_group_tokens = row_group_tokens or default_row_group_tokens(meta)
         if not self.path.parent.is_dir():
@@ -946,13 +951,13 @@ class TraceWriter:
         self._schema: pa.Schema | None = None
         self._pending: list[dict[str, np.ndarray]] = []
         self._pending_tokens = 0
-        self._last: tuple[int, int] | None = None
+        self._last = after
         self._content = ContentHash(meta)
         self.num_tokens = 0
 
     def write(self, *, seq, pos, phase, experts, weights, logits=None, residency=None,
               token_id=None, domain=None, nll=None, logit_ids=None, lookahead_logits=None,
-              lookahead_ids=None) -> None:
+              lookahead_ids=None) -> dict[str, np.ndarray]:
         """Append tokens: seq/pos/phase (T,), experts/weights/residency (T, L, k), logits (T, L, E).
 
         Logits are dense; with ``meta.logits_top_r`` only the top R are stored. A caller that
@@ -960,6 +965,8 @@ class TraceWriter:
         their ``logit_ids``. Look-ahead columns come in their stored form (module docstring):
         (T, L, D, R) logits and ids, or (T, L, D, E) logits in expert order.
         Optional per-token columns (token_id, domain, nll) must be given in every call or none.
+        Returns the columns as stored (on-disk dtypes, top R selected): what :class:`ContentHash`
+        hashes.
         """
         cols = _columns(self.meta, seq=seq, pos=pos, phase=phase, experts=experts, weights=weights,
                         logits=logits, residency=residency, token_id=token_id, domain=domain, nll=nll,
@@ -971,6 +978,7 @@ class TraceWriter:
         if "logits" in cols and "logit_ids" not in cols:
             cols.update(_stored_logits(self.meta, cols["logits"], cols["experts"]))
         self._append(cols)
+        return cols
 
     def _append(self, cols: dict[str, np.ndarray]) -> None:
         """Append checked tokens in their on-disk form (as TraceReader reads them)."""
@@ -980,7 +988,8 @@ class TraceWriter:
             raise ValueError("every write must give the same optional columns as the first")
         if not cols["seq"].size:
             return
-        self._content.update(cols)
+        if self.record_content:
+            self._content.update(cols)
         self._last = (int(cols["seq"][-1]), int(cols["pos"][-1]))
         self._pending.append(cols)
         self._pending_tokens += cols["seq"].shape[0]
@@ -1023,9 +1032,9 @@ class TraceWriter:
                 raise InputError(f"{self.path}: no tokens were written; a trace needs at least one token")
             with output_errors(self.path):
                 self._flush(final=True)
+                content = {CONTENT_KEY: self._content.hexdigest()} if self.record_content else {}
                 self._writer.add_key_value_metadata({
-                    CONTENT_KEY: self._content.hexdigest(),
-                    META_HASH_KEY: hashlib.sha256(self.meta.to_json().encode()).hexdigest()})
+                    **content, META_HASH_KEY: hashlib.sha256(self.meta.to_json().encode()).hexdigest()})
                 self._writer.close()
                 os.replace(self._tmp, self.path)
         except BaseException:

@@ -10,7 +10,12 @@ still produce one ordinary trace file.
 
 The footer is not decoded either: compact-protocol structs and lists carry no byte lengths, so a
 footer's bytes are copied as they are and only the varints that hold offsets (and row-group
-ordinals) are written anew. :func:`_scan` walks a footer once to find those varints.
+ordinals) are written anew. :func:`_scan` walks a footer once to find those varints. The one
+field decoded and written anew is the key-value metadata: a trace's content hash
+(``traces.format.CONTENT_KEY``) covers the content of the file it is in, so each part's is its
+own and the joined file's is the caller's (:meth:`ParquetJoin.finish`); every other entry must be
+the same in every part. (The top-level field headers are written anew too: a field id is a delta
+from the previous field's, and the key-value field may come or go.)
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from traces.atomic import atomic_output
+from traces.format import CONTENT_KEY
 
 MAGIC = b"PAR1"
 # Thrift compact-protocol type codes
@@ -30,7 +36,9 @@ _MAX_ORDINAL = 2**15 - 1  # RowGroup.ordinal is an i16; beyond it the ordinals a
 _COLUMN_META = {9: "offset", 10: "offset", 11: "offset", 14: "offset"}
 _COLUMN_CHUNK = {2: "offset", 3: _COLUMN_META, 4: "offset", 6: "offset"}
 _ROW_GROUP = {1: [_COLUMN_CHUNK], 5: "offset", 7: "ordinal"}
-_FILE_NUM_ROWS, _FILE_ROW_GROUPS = 3, 4
+_FILE_NUM_ROWS, _FILE_ROW_GROUPS, _FILE_KEY_VALUES = 3, 4, 5
+_KEY, _VALUE = 1, 2  # KeyValue's fields (binary)
+_REWRITTEN = (_FILE_NUM_ROWS, _FILE_ROW_GROUPS, _FILE_KEY_VALUES)
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Footer:
     holes: list[tuple[int, int, str, int]] = field(default_factory=list)  # (start, end, kind, value)
     num_rows: int = 0
     row_groups: tuple[int, int, int] = (0, 0, 0)  # (count, first group's start, end of the list)
+    key_values: list[tuple[bytes, bytes | None]] = field(default_factory=list)  # in footer order
 
     def spans(self) -> list[tuple[int, int, int, int]]:
         """(field id, header start, value start, end) of each top-level field; the STOP byte follows."""
@@ -148,7 +157,38 @@ def parse_footer(data: bytes) -> Footer:
         elif field_id == _FILE_ROW_GROUPS:
             count, _, first = _list_header(data, value)
             footer.row_groups = (count, first, end)
+        elif field_id == _FILE_KEY_VALUES:
+            footer.key_values = _key_values(data, value)
     return footer
+
+
+def _key_values(data: bytes, pos: int) -> list[tuple[bytes, bytes | None]]:
+    """The (key, value or None) pairs of the list<KeyValue> at ``pos``."""
+    count, _, pos = _list_header(data, pos)
+    pairs = []
+    for _ in range(count):
+        fields: list[tuple[int, int, int]] = []
+        pos = _scan(data, pos, {}, [], fields)
+        found = {}
+        for field_id, start, value in fields:
+            if field_id in (_KEY, _VALUE) and data[start] & 0x0F == _BINARY:
+                size, value = _varint(data, value)
+                found[field_id] = data[value:value + size]
+        if _KEY not in found:
+            raise ValueError("a key-value metadata entry has no key")
+        pairs.append((found[_KEY], found.get(_VALUE)))
+    return pairs
+
+
+def _key_values_bytes(pairs: list[tuple[bytes, bytes | None]]) -> bytes:
+    """A list<KeyValue> value (the list header and its structs)."""
+    out = bytearray(_list_header_bytes(len(pairs), _STRUCT))
+    for key, value in pairs:
+        out += _field_header(_KEY, 0, _BINARY) + _unsigned(len(key)) + key
+        if value is not None:
+            out += _field_header(_VALUE, _KEY, _BINARY) + _unsigned(len(value)) + value
+        out.append(0)  # STOP
+    return bytes(out)
 
 
 def read_footer(path: Path) -> tuple[Footer, int]:
@@ -187,17 +227,29 @@ def _list_header_bytes(count: int, kind: int) -> bytes:
     return bytes([count << 4 | kind]) if count < 15 else bytes([0xF0 | kind]) + _unsigned(count)
 
 
-def _joined_footer(first: Footer, groups: bytes, count: int, num_rows: int) -> bytes:
-    """The first part's footer with the joined row groups and row count; every other field as it was."""
+def _field_header(field_id: int, last_id: int, kind: int) -> bytes:
+    """A struct field's header: the id as a delta from the previous field's where it fits in 4 bits."""
+    delta = field_id - last_id
+    return bytes([delta << 4 | kind]) if 0 < delta <= 15 else bytes([kind]) + _encode_zigzag(field_id)
+
+
+def _joined_footer(first: Footer, groups: bytes, count: int, num_rows: int,
+                   key_values: list[tuple[bytes, bytes | None]]) -> bytes:
+    """The first part's footer with the joined row groups, row count and key-value metadata (left
+    out if empty); every other field as it was."""
     data = first.data
-    out = bytearray()
-    for field_id, start, value, end in first.spans():
-        if field_id == _FILE_NUM_ROWS:
-            out += data[start:value] + _encode_zigzag(num_rows)
-        elif field_id == _FILE_ROW_GROUPS:
-            out += data[start:value] + _list_header_bytes(count, _STRUCT) + groups
-        else:
-            out += data[start:end]
+    values = {_FILE_NUM_ROWS: _encode_zigzag(num_rows), _FILE_ROW_GROUPS: _list_header_bytes(count, _STRUCT) + groups,
+              _FILE_KEY_VALUES: _key_values_bytes(key_values) if key_values else None}
+    fields = [(field_id, data[start] & 0x0F, data[value:end]) for field_id, start, value, end in first.spans()
+              if field_id != _FILE_KEY_VALUES]
+    fields.append((_FILE_KEY_VALUES, _LIST, None))
+    out, last = bytearray(), 0
+    # headers are written anew: the ids are deltas, and the key-value field may come or go
+    for field_id, kind, value in sorted(fields, key=lambda f: f[0]):
+        value = values.get(field_id, value)
+        if value is not None:
+            out += _field_header(field_id, last, kind) + value
+            last = field_id
     out.append(0)  # STOP
     return bytes(out)
 
@@ -206,14 +258,15 @@ class ParquetJoin:
     """One Parquet file built from parts appended in order: their bytes copied, their footers merged.
 
     ``f`` is the output, open for binary writing at its start. Every part must have the same
-    schema and key-value metadata (the first part's are kept).
+    schema and key-value metadata (the first part's are kept), except the content hash, which
+    covers one part only and is never kept (see :meth:`finish`).
     """
 
     def __init__(self, f):
         self.f = f
         self.f.write(MAGIC)
         self._first: Footer | None = None
-        self._same = b""
+        self._same: tuple = ()
         self._groups = bytearray()
         self._count = self._num_rows = 0
 
@@ -231,27 +284,41 @@ class ParquetJoin:
         self._count += footer.row_groups[0]
         self._num_rows += footer.num_rows
 
-    def finish(self) -> None:
-        """Write the merged footer; the file is complete."""
-        joined = _joined_footer(self._first, bytes(self._groups), self._count, self._num_rows)
+    def finish(self, content_hash: str | None = None) -> None:
+        """Write the merged footer; the file is complete.
+
+        ``content_hash``: the whole file's (``traces.format.ContentHash`` of every part's content
+        in order), recorded under ``CONTENT_KEY`` where the first part has its own, else last;
+        None records none.
+        """
+        recorded = [(CONTENT_KEY, content_hash.encode("ascii"))] if content_hash else []
+        shared = self._same[1]
+        at = next((i for i, (key, _) in enumerate(self._first.key_values) if key == CONTENT_KEY), len(shared))
+        joined = _joined_footer(self._first, bytes(self._groups), self._count, self._num_rows,
+                                shared[:at] + recorded + shared[at:])
         self.f.write(joined)
         self.f.write(len(joined).to_bytes(4, "little"))
         self.f.write(MAGIC)
 
 
-def concat_parquet(parts: list[Path], out: Path) -> None:
-    """Write ``out`` (atomically): the row groups of ``parts``, in order, bytes copied as they are."""
+def concat_parquet(parts: list[Path], out: Path, content_hash: str | None = None) -> None:
+    """Write ``out`` (atomically): the row groups of ``parts``, in order, bytes copied as they are.
+
+    ``content_hash`` as :meth:`ParquetJoin.finish` takes it: the parts' own are never kept.
+    """
     with atomic_output(out) as tmp, tmp.open("wb") as f:
         join = ParquetJoin(f)
         for part in parts:
             join.append(part, *read_footer(part))
-        join.finish()
+        join.finish(content_hash)
 
 
-def _unchanged_fields(footer: Footer) -> bytes:
-    """The footer's bytes outside the row groups and the row count: schema, metadata, writer."""
-    return b"".join(footer.data[start:end] for field_id, start, _, end in footer.spans()
-                    if field_id not in (_FILE_NUM_ROWS, _FILE_ROW_GROUPS))
+def _unchanged_fields(footer: Footer) -> tuple[bytes, list[tuple[bytes, bytes | None]]]:
+    """What every part shares: the footer's bytes outside the row groups, the row count and the
+    key-value metadata (schema, writer), and the key-value entries but the content hash."""
+    return (b"".join(footer.data[start:end] for field_id, start, _, end in footer.spans()
+                     if field_id not in _REWRITTEN),
+            [(key, value) for key, value in footer.key_values if key != CONTENT_KEY])
 
 
 def _unsigned(n: int) -> bytes:

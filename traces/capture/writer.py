@@ -6,8 +6,14 @@ group; worker threads write each unit as a trace file of its own with
 :class:`traces.format.TraceWriter` (so every unit is checked and encoded exactly as a single
 writer would do it), and the unit files are appended to the output in order as soon as all
 earlier ones are done, their bytes copied and their footers merged
-(:class:`traces.capture.concat.ParquetJoin`: nothing is decoded or encoded twice). What is left
-for :meth:`ParallelTraceWriter.close` is the last units and the footer.
+(:class:`traces.capture.concat.ParquetJoin`: nothing is decoded or encoded twice; pages keep
+their checksums). What is left for :meth:`ParallelTraceWriter.close` is the last units and the
+footer.
+
+The content hash (:class:`traces.format.ContentHash`) is one SHA-256 stream per column in trace
+order, so it cannot be computed per unit and combined: the thread that appends a unit also feeds
+the unit's stored columns to the file's hash, in unit order, and the units themselves are
+written without one. The file records the hash a single writer of the same tokens records.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import numpy as np
 from traces.atomic import temp_path
 from traces.capture.concat import ParquetJoin, read_footer
 from traces.errors import InputError
-from traces.format import TraceMeta, TraceWriter
+from traces.format import ContentHash, TraceMeta, TraceWriter
 
 MAX_AUTO_WORKERS = 8
 
@@ -59,10 +65,13 @@ class ParallelTraceWriter:
         self._tmp = temp_path(self.path)  # the output while it grows
         self._file = None
         self._join: ParquetJoin | None = None
-        self._lock = threading.Lock()  # appends to the output, in unit order
-        self._finished: dict[int, tuple] = {}  # unit index -> (file, footer, start), waiting for earlier units
+        self._lock = threading.Lock()  # appends to the output and the content hash, in unit order
+        self._content = ContentHash(meta)
+        # unit index -> (file, footer, start, stored columns), until appended
+        self._finished: dict[int, tuple] = {}
         self._appended = 0
         self._queued = 0
+        self._last_queued: tuple[int, int] | None = None  # (seq, pos) of the last token queued
         self._error: BaseException | None = None
         self._cancelled = False  # workers skip what is still queued
         self._closed = False
@@ -93,37 +102,42 @@ class ParallelTraceWriter:
         n = pending["seq"].shape[0]
         whole = n if final else n - n % self.unit_tokens
         for start in range(0, whole, self.unit_tokens):
-            self._units.put((self._queued, {name: v[start:start + self.unit_tokens] for name, v in pending.items()}))
+            unit = {name: v[start:start + self.unit_tokens] for name, v in pending.items()}
+            self._units.put((self._queued, self._last_queued, unit))  # each unit checks it follows the last
+            self._last_queued = (int(unit["seq"][-1]), int(unit["pos"][-1]))
             self._queued += 1
         self._pending = [{name: v[whole:] for name, v in pending.items()}] if whole < n else []
         self._pending_tokens = n - whole
 
     def _encode(self) -> None:
         while (item := self._units.get()) is not None:
-            index, cols = item
+            index, after, cols = item
             if self._error is not None or self._cancelled:
                 continue  # drain the queue; close() reports the error
             part = temp_path(self.path.with_name(f"{self.path.name}.part{index:06d}"))
             try:
-                with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens) as writer:
-                    writer.write(**cols)
-                self._append_in_order(index, part, *read_footer(part))
+                with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens, record_content=False,
+                                 after=after) as writer:
+                    stored = writer.write(**cols)
+                self._append_in_order(index, (part, *read_footer(part), stored))
             except InputError as e:  # bad rows: name the file the caller asked for
                 self._error = InputError(str(e).replace(str(part), str(self.path)))
             except BaseException as e:  # re-raised in the writing thread
                 self._error = e
 
-    def _append_in_order(self, index: int, part: Path, footer, start: int) -> None:
+    def _append_in_order(self, index: int, unit: tuple) -> None:
         """Append every finished unit that comes next (the thread that finishes one does it)."""
         with self._lock:
-            self._finished[index] = (part, footer, start)
-            while self._appended in self._finished:
-                part, footer, start = self._finished.pop(self._appended)
+            self._finished[index] = unit
+            while (unit := self._finished.get(self._appended)) is not None:
+                part, footer, start, stored = unit
                 if self._join is None:
                     self._file = self._tmp.open("wb")
                     self._join = ParquetJoin(self._file)
                 self._join.append(part, footer, start)
+                self._content.update(stored)
                 part.unlink()
+                del self._finished[self._appended]  # only now: a unit that failed is removed by close
                 self._appended += 1
 
     def _stop_workers(self) -> None:
@@ -148,9 +162,9 @@ class ParallelTraceWriter:
         try:
             self._raise_error()
             if not self._queued:
-                TraceWriter(self.path, self.meta).close()  # an empty trace: the schema alone
+                TraceWriter(self.path, self.meta).close()  # no tokens: the single writer's error
             else:
-                self._join.finish()
+                self._join.finish(self._content.hexdigest())
                 self._file.close()
                 os.replace(self._tmp, self.path)
         finally:
@@ -168,7 +182,7 @@ class ParallelTraceWriter:
 
     def _remove_files(self) -> None:
         """Remove the hidden files: units not appended, and the output unless it was moved to ``path``."""
-        for part, _, _ in self._finished.values():
+        for part, *_ in self._finished.values():
             part.unlink(missing_ok=True)
         self._finished.clear()
         if self._file is not None:
