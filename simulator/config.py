@@ -242,12 +242,42 @@ def settings() -> list[Setting]:
                      for name, (kind, default, text) in MODEL_FIELDS.items()]
             continue
         if key == "hardware":
-            rows.append(Setting("hardware.<section>.<field>", "number", "(profile)",
-                                "one field of the chosen profile; conf/hardware/TEMPLATE.yaml "
-                                "explains each"))
+            rows += hardware_settings()
             continue
         rows.append(Setting(key, _type_name(hint), field_default(f), f.metadata.get("help", ""),
                             tuple(f.metadata.get("choices", ()))))
+    return rows
+
+
+TEMPLATE = CONF_DIR / "hardware" / "TEMPLATE.yaml"
+_TEMPLATE_LINE = re.compile(r"^(?P<indent> *)(?P<key>\w+):[^#]*(#\s*(?P<help>.*))?$")
+
+
+def hardware_settings() -> list[Setting]:
+    """The numbers of a hardware profile, explained by conf/hardware/TEMPLATE.yaml's comments
+    (the template is where a profile's fields are documented); ``hardware.x.y=`` overrides one."""
+    from simulator.hardware import PROFILE_FIELDS
+
+    text: dict[str, str] = {}
+    section = None
+    for line in TEMPLATE.read_text().splitlines():
+        m = _TEMPLATE_LINE.match(line)
+        if not m:
+            continue
+        if not m["indent"]:
+            section = m["key"]
+            text[section] = m["help"] or ""
+        elif section is not None:
+            text[f"{section}.{m['key']}"] = m["help"] or ""
+    fields = [(f"{sec}.{name}", required) for sec, names in PROFILE_FIELDS.items()
+              for name, (required, _, _) in names.items()]
+    fields += [("host_ram_bytes", False), ("host_pinned_bytes", False)]
+    rows = []
+    for key, required in fields:
+        help_text = text.get(key, "").removeprefix("optional: ")
+        section = text.get(key.split(".")[0], "") if "." in key else ""
+        rows.append(Setting(f"hardware.{key}", "number" if required else "number or null",
+                            "(profile)", f"{help_text} [{section}]" if section else help_text))
     return rows
 
 

@@ -163,19 +163,21 @@ def check_profile(cfg: Mapping) -> set[str]:
     """Validate the hardware profile for this run (every problem in one line); return the sections
     it lacks and need not have (their times become NaN, which no step of this run reads)."""
     hw = cfg["hardware"]
-    origin = f"hardware profile '{(hw or {}).get('name', '?') if isinstance(hw, Mapping) else '?'}'"
-    absent = set()
-    if isinstance(hw, Mapping):
-        absent = {s for s in profile_sections_unread(cfg) if hw.get(s) is None}
-        # an absent unread section stands in with valid numbers, so validation names only real problems
-        hw = {**hw, **{s: {f: 1.0 for f, (required, _, _) in PROFILE_FIELDS[s].items() if required}
-                       for s in absent}}
-    try:
+    name = cfg.get("hardware_file") or (hw.get("name") if isinstance(hw, Mapping) else None)
+    origin = f"hardware profile '{name or '?'}'"
+    if not isinstance(hw, Mapping):
         validate_profile(hw, origin=origin)
+    unread = profile_sections_unread(cfg)
+    absent = {s for s in unread if hw.get(s) is None}
+    # an absent unread section stands in with valid numbers, so validation names only real problems
+    stand_in = {s: {f: 1.0 for f, (required, _, _) in PROFILE_FIELDS[s].items() if required}
+                for s in absent}
+    try:
+        validate_profile({**hw, **stand_in}, origin=origin)
     except InputError as exc:
-        missing = [s for s in READ_WHEN if isinstance(hw, Mapping) and f"missing section 'hardware.{s}'" in str(exc)]
-        why = "; ".join(f"'hardware.{s}' is read with {READ_WHEN[s]}" for s in missing)
-        raise InputError(f"{exc}{' (' + why + ')' if why else ''}") from None
+        why = "; ".join(f"'hardware.{s}' is read with {when}" for s, when in READ_WHEN.items()
+                        if s not in unread and hw.get(s) is None)
+        raise InputError(f"{exc} ({why})" if why else str(exc)) from None
     return absent
 
 
