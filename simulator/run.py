@@ -368,11 +368,24 @@ def _trace_tokens(source) -> int:
 
 
 def with_hardware_file(cfg: dict) -> dict:
-    """``cfg`` with ``hardware`` loaded from ``hardware_file`` when one is given."""
+    """``cfg`` with ``hardware`` loaded from ``hardware_file`` when one is given; ``hardware.*``
+    overrides given with it apply on top of the file."""
     path = cfg.get("hardware_file")
     if not path:
         return cfg
-    return {**cfg, "hardware": load_profile(resolve_path(str(path)))}
+    profile = load_profile(resolve_path(str(path)))
+    if isinstance(profile, dict) and isinstance(cfg.get("hardware"), Mapping):
+        profile = _merged(profile, cfg["hardware"])
+    return {**cfg, "hardware": profile}
+
+
+def _merged(base: dict, over: Mapping) -> dict:
+    """``base`` with ``over``'s values in place, mappings merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
 
 def load_profile(path: Path) -> dict:
@@ -483,10 +496,11 @@ PROFILE_SUFFIXES = (".yaml", ".yml")
 def resolve_overrides(overrides: Sequence[str]) -> list[str]:
     """Overrides as Hydra composes them, checked (InputError): ``hardware=PATH.yaml`` (a sweep may
     list several files) becomes ``~hardware hardware_file=ABSOLUTE_PATH``, since a Hydra group
-    takes only preset names."""
+    takes only preset names; ``hardware.x=v`` given with a file becomes ``+hardware.x=v`` (it
+    applies on top of the file)."""
     from simulator.config import check_overrides
 
-    out = []
+    out, from_file = [], False
     for text in overrides:
         key, sep, value = text.partition("=")
         items = [v.strip("'\"") for v in value.split(",")]
@@ -505,6 +519,9 @@ def resolve_overrides(overrides: Sequence[str]) -> list[str]:
                                  "(conf/hardware/TEMPLATE.yaml explains one) or a preset name")
             paths.append("'" + str(path.resolve()).replace("\\", "\\\\").replace("'", "\\'") + "'")
         out += ["~hardware", f"hardware_file={','.join(paths)}"]
+        from_file = True
+    if from_file:
+        out = [f"+{o}" if o.startswith("hardware.") else o for o in out]
     check_overrides(out)
     return out
 
@@ -515,8 +532,9 @@ def hydra_error_line(exc: BaseException) -> str:
              "Set the environment variable", "See https://")
     lines = [ln.strip() for ln in str(exc).splitlines()]
     kept = [ln for ln in lines if ln and not ln.startswith(noise)]
+    key = next((ln.removeprefix("full_key:").strip() for ln in lines if ln.startswith("full_key:")), "")
     text = "; ".join(kept) or type(exc).__name__
-    return f"{text} (moe-sim --help lists every setting)"
+    return f"{text}{f' at {key}' if key else ''} (moe-sim --help lists every setting)"
 
 
 def compose(overrides: list[str] | None = None):
@@ -555,7 +573,6 @@ def simulate_overrides(overrides: list[str]) -> dict:
 def _task(cfg) -> dict | object:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from omegaconf import OmegaConf
 
     from simulator.results import write_outputs
 
@@ -563,7 +580,7 @@ def _task(cfg) -> dict | object:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     try:
-        plain = OmegaConf.to_container(cfg, resolve=True)
+        plain = _resolved(cfg)
         show = plain.get("progress")
         show = sys.stderr.isatty() if show is None else bool(show)
         summary, result = simulate_config(plain, progress=show)
@@ -579,6 +596,17 @@ def _task(cfg) -> dict | object:
         _exit_with(str(exc))  # here, not in main(): Hydra would add a line of its own
     print(_one_line(summary, run_dir))
     return summary
+
+
+def _resolved(cfg) -> dict:
+    """The job's config as plain values; an interpolation that cannot resolve is an InputError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise InputError(hydra_error_line(exc)) from None
 
 
 def _failed_job(run_dir: Path, job_num: int, exc: Exception):
