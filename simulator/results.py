@@ -1,10 +1,14 @@
 """Engine outputs -> summary.json, per_token.parquet and per_layer.parquet, written atomically.
 
-Every field is defined once, in simulator/metrics.py (docs/metrics.md shows the tables).
+Every field is defined once, in simulator/metrics.py (docs/metrics.md shows the tables), except
+two that describe the run rather than count in it: summary.json's ``provenance`` object (what
+produced the numbers: :func:`provenance`, read back by ``analysis.provenance``) and
+per_token.parquet's ``domain_name`` (the trace's name for each token's ``domain`` index).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +85,16 @@ def per_token_table(r: SimResult) -> pa.Table:
     return pa.table({m.name: getattr(r, m.name) for m in (*TOKEN_IDS, *TOKEN)})
 
 
+def per_token_output(r: SimResult, domains: Sequence[str]) -> pa.Table:
+    """per_token.parquet: :func:`per_token_table` plus ``domain_name``, the trace's name of each
+    token's domain (dictionary-encoded; null where a token has none)."""
+    table = per_token_table(r)
+    index = np.asarray(r.domain, dtype=np.int32)
+    names = pa.DictionaryArray.from_arrays(
+        pa.array(index, mask=index < 0), pa.array(list(domains), type=pa.string()))
+    return table.add_column(table.schema.get_field_index("domain") + 1, "domain_name", names)
+
+
 def per_layer_table(r: SimResult) -> pa.Table:
     """One row per MoE layer, decode steps."""
     calls = r.layer_calls.astype(np.float64)
@@ -103,10 +117,58 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
         pq.write_table(table, tmp, compression="zstd")
 
 
-def write_outputs(run_dir: Path, summary: dict, r: SimResult, per_token: bool = True) -> None:
-    """summary.json last, so its presence marks a complete run."""
+def write_outputs(run_dir: Path, summary: dict, r: SimResult, per_token: bool = True,
+                  domains: Sequence[str] = ()) -> None:
+    """summary.json last, so its presence marks a complete run. ``domains``: the trace's domain
+    names (``meta.domains``)."""
     run_dir = Path(run_dir)
     if per_token:
-        atomic_write_parquet(run_dir / "per_token.parquet", per_token_table(r))
+        atomic_write_parquet(run_dir / "per_token.parquet", per_token_output(r, domains))
     atomic_write_parquet(run_dir / "per_layer.parquet", per_layer_table(r))
     atomic_write_bytes(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+
+
+def _one_or_list(values: np.ndarray) -> int | list[int]:
+    """A per-layer size as one number when every layer has it, else the list."""
+    values = [int(v) for v in values]
+    return values[0] if values and all(v == values[0] for v in values) else values
+
+
+def sizes_from(model: Mapping | None) -> str:
+    """Where a run's expert sizes come from: ``trace``, ``preset``, ``preset, sizes only`` (a
+    preset's sizes on a trace of another shape) or ``override`` (sizes set on ``model=trace``)."""
+    model = model or {}
+    if (model.get("name") or "trace") == "trace":
+        given = model.get("expert_bytes") is not None or model.get("dense_bytes_per_layer") is not None
+        return "override" if given else "trace"
+    return "preset, sizes only" if model.get("sizes_only") else "preset"
+
+
+def provenance(cfg: Mapping, trace_path: Path | None, meta, trace_tokens: int,
+               content_hash: str | None, sizes: tuple[str, np.ndarray, np.ndarray],
+               substitute_by: str) -> dict:
+    """summary.json's ``provenance``: what produced the run, in the shape analysis/provenance.py
+    reads (``trace``, ``model``, ``hardware``), plus the ``policy``, ``cache`` and ``admission``
+    sections as run and the whole resolved ``config``.
+
+    ``trace_tokens``: the trace file's tokens; ``sizes``: (model name, expert bytes, dense bytes
+    per layer) as the run used them (``simulator.run.model_sizes``).
+    """
+    hw = cfg.get("hardware") or {}
+    model_name, expert_bytes, dense_bytes = sizes
+    return {
+        "trace": {"path": str(trace_path.resolve()) if trace_path is not None else None,
+                  "content_hash": content_hash, "model": meta.model, "source": meta.source or None,
+                  "num_layers": meta.num_layers, "num_experts": meta.num_experts,
+                  "top_k": meta.top_k, "tokens": int(trace_tokens),
+                  "domains": list(meta.domains)},
+        "model": {"name": model_name, "sizes_from": sizes_from(cfg.get("model")),
+                  "expert_bytes": _one_or_list(expert_bytes),
+                  "dense_bytes_per_layer": _one_or_list(dense_bytes)},
+        "hardware": {"name": hw.get("name"), "source": hw.get("source"),
+                     "file": cfg.get("hardware_file")},
+        "policy": {**cfg.get("policy", {}), "substitute_by": substitute_by},
+        "cache": dict(cfg.get("cache", {})),
+        "admission": dict(cfg.get("admission", {})),
+        "config": dict(cfg),
+    }

@@ -1,25 +1,79 @@
-"""Sweep progress: a Hydra callback that prints one line per finished job of a multirun.
+"""Sweep progress and outcome: a Hydra callback that prints one line per finished job of a
+multirun and tallies how the jobs ended.
 
 It works with every launcher (basic, joblib, submitit) because finished jobs count themselves
 on disk, in ``SWEEP_DIR/.progress``: each job claims the next finishing number by creating the
 file of that name exclusively, so jobs that end at the same moment in parallel workers still
 print ``1/4``, ``2/4``, ... once each (counting the jobs whose outputs exist would print the
 same count twice when two jobs end together). The total comes from the sweep's own overrides
-in ``multirun.yaml``.
+in ``multirun.yaml``. Each number's file holds how its job ended (``completed``, ``failed``:
+the job recorded an input error in its ``error.txt``, ``crashed``: any other exception); at the
+end of the sweep the callback tallies them for ``moe-sim``'s exit code (:func:`take_outcome`).
+
+The module is also callable: it is the Python API's ``sweep()`` (:func:`simulator.api.sweep`), so
+that ``from simulator import sweep`` gives that function whether or not this module was imported
+first (importing a submodule binds its name in the package).
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import shutil
 import sys
+import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-PROGRESS_DIR = ".progress"  # one empty file per finished job, named by its finishing number
+PROGRESS_DIR = ".progress"  # one file per finished job, named by its finishing number
+COMPLETED, FAILED, CRASHED = "completed", "failed", "crashed"
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """What a sweep job returns when it failed (its error.txt holds ``message``)."""
+
+    message: str
+    input_error: bool
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    """How the jobs of a finished multirun ended."""
+
+    sweep_dir: Path
+    finished: int
+    failed_input: int
+    crashed: int
+
+    @property
+    def failed(self) -> int:
+        return self.failed_input + self.crashed
+
+
+_outcome: SweepOutcome | None = None  # of the last multirun this process ran
+
+
+def take_outcome() -> SweepOutcome | None:
+    """The outcome of the multirun this process last ran (once; None if none ran)."""
+    global _outcome
+    outcome, _outcome = _outcome, None
+    return outcome
+
+
+def job_status(job_return: Any) -> str:
+    """``completed``, ``failed`` (an input error, recorded) or ``crashed``."""
+    status = getattr(getattr(job_return, "status", None), "name", "COMPLETED")
+    if status != "COMPLETED":
+        return CRASHED
+    value = job_return.return_value if hasattr(job_return, "return_value") else None
+    if isinstance(value, JobFailed):
+        return FAILED if value.input_error else CRASHED
+    return COMPLETED
 
 
 def sweep_size(overrides: list[str]) -> int | None:
@@ -34,8 +88,9 @@ def sweep_size(overrides: list[str]) -> int | None:
     return math.prod(sizes) if sizes else 1
 
 
-def claim_finish_number(progress_dir: Path) -> int:
-    """The next finishing number (1, 2, ...), unique among all jobs of the sweep.
+def claim_finish_number(progress_dir: Path, status: str = COMPLETED) -> int:
+    """The next finishing number (1, 2, ...), unique among all jobs of the sweep; its file holds
+    ``status``.
 
     A number is claimed by creating its file with O_EXCL, which exactly one of several
     concurrent creators wins, on local and on NFS file systems alike; the loser tries the next.
@@ -46,10 +101,25 @@ def claim_finish_number(progress_dir: Path) -> int:
     while True:
         number += 1
         try:
-            os.close(os.open(progress_dir / str(number), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(progress_dir / str(number), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             continue
+        try:
+            os.write(fd, status.encode())
+        finally:
+            os.close(fd)
         return number
+
+
+def tally(progress_dir: Path) -> collections.Counter:
+    """How many finished jobs ended in each status."""
+    counts: collections.Counter = collections.Counter()
+    for path in progress_dir.glob("*"):
+        try:
+            counts[path.read_text().strip() or COMPLETED] += 1
+        except OSError:
+            counts[COMPLETED] += 1
+    return counts
 
 
 class SweepProgress(Callback):
@@ -60,7 +130,12 @@ class SweepProgress(Callback):
         shutil.rmtree(Path(config.hydra.sweep.dir) / PROGRESS_DIR, ignore_errors=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        shutil.rmtree(Path(config.hydra.sweep.dir) / PROGRESS_DIR, ignore_errors=True)
+        global _outcome
+        progress = Path(config.hydra.sweep.dir) / PROGRESS_DIR
+        counts = tally(progress)
+        _outcome = SweepOutcome(Path(config.hydra.sweep.dir), sum(counts.values()),
+                                counts[FAILED], counts[CRASHED])
+        shutil.rmtree(progress, ignore_errors=True)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         hc = config.hydra
@@ -71,11 +146,10 @@ class SweepProgress(Callback):
         multirun = sweep_dir / "multirun.yaml"
         if multirun.exists():
             total = sweep_size(OmegaConf.load(multirun).hydra.overrides.task)
-        done = claim_finish_number(sweep_dir / PROGRESS_DIR)
-        status = getattr(getattr(job_return, "status", None), "name", "")
+        status = job_status(job_return) if job_return is not None else None
+        done = claim_finish_number(sweep_dir / PROGRESS_DIR, status or COMPLETED)
         of = f"/{total}" if total else ""
-        write_line(f"[sweep] {done}{of} jobs finished (job {hc.job.num}: "
-                   f"{status.lower() or 'done'})")
+        write_line(f"[sweep] {done}{of} jobs finished (job {hc.job.num}: {status or 'done'})")
 
 
 def write_line(line: str) -> None:
@@ -94,3 +168,14 @@ def write_line(line: str) -> None:
         return
     sys.stderr.flush()
     os.write(fd, data.encode())
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any):
+        """The Python API's sweep(): see :func:`simulator.api.sweep`."""
+        from simulator.api import sweep
+
+        return sweep(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

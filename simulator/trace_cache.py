@@ -27,6 +27,10 @@ an array whose identity changed is checked against its CRC-32, and a copy that f
 truncated, an old layout, an unreadable manifest) is removed and rebuilt with one warning line
 on stderr.
 
+A copy, once built, is announced on stderr with its path and size and the cache's total (once
+per process and copy): the cache can grow by gigabytes per trace. ``moe-trace cache list`` shows
+the copies (:func:`cache_entries`), ``moe-trace cache clear`` removes them (:func:`clear_cache`).
+
 Concurrent jobs are safe: a copy is built in a private temporary directory beside its final
 place, named with the builder's process id, and renamed into place in one step; a job that loses
 the race discards its own copy, and the next job removes the build directories of builders that
@@ -47,6 +51,7 @@ import sys
 import threading
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -212,6 +217,7 @@ class CachedTrace:
                     atomic_write_text(build / f"{name}.json", json.dumps(files[name].record()))
                 atomic_write_text(build / MANIFEST, json.dumps(manifest, indent=1))
                 self._mapped(self._put_in_place(build))
+                _announce(self.directory, self.path)
             finally:
                 for f in files.values():
                     f.close()
@@ -316,6 +322,85 @@ def cached_source(path: str | os.PathLike, cache_dir: str | os.PathLike | None =
     remove_orphans(root / "hashes")
     directory = root / trace_key(path, root)
     return CachedTrace(path, directory, _checked_manifest(directory, warn=True), max_tokens)
+
+
+_announced: set[Path] = set()  # copies this process has announced
+
+
+def _announce(directory: Path, trace: Path) -> None:
+    """One stderr line for a copy built: its path, its size and the cache's total."""
+    if directory in _announced:
+        return
+    _announced.add(directory)
+    entries = cache_entries(directory.parent.parent)
+    size = next((e.bytes for e in entries if e.path == directory), _dir_bytes(directory))
+    print(f"trace cache: decoded {trace} into {directory} ({_gib(size)}); the cache holds "
+          f"{len(entries)} {'copy' if len(entries) == 1 else 'copies'}, "
+          f"{_gib(sum(e.bytes for e in entries))} (moe-trace cache list | clear)", file=sys.stderr)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _dir_bytes(directory: Path) -> int:
+    total = 0
+    for p in directory.rglob("*"):
+        with contextlib.suppress(OSError):
+            total += p.stat().st_size if p.is_file() else 0
+    return total
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One decoded copy in the cache."""
+
+    key: str
+    path: Path
+    source_file: str | None  # the trace it was decoded from (as it was then)
+    num_tokens: int | None
+    bytes: int
+    modified: float  # POSIX time the copy was last written
+
+
+def cache_entries(cache_dir: str | os.PathLike | None = None) -> list[CacheEntry]:
+    """The decoded copies under the cache (``cache_dir``, else ``$MOE_SIM_CACHE`` or the user
+    cache), largest first; a copy with an unreadable manifest is listed without its trace."""
+    root = cache_root(cache_dir)
+    entries = []
+    for directory in sorted(root.iterdir()) if root.is_dir() else ():
+        if directory.name == "hashes" or directory.name.startswith(".") or not directory.is_dir():
+            continue
+        try:
+            manifest = _read_manifest(directory)
+            source, tokens = manifest.get("source_file"), manifest.get("num_tokens")
+        except (OSError, ValueError):
+            source, tokens = None, None
+        with contextlib.suppress(OSError):
+            entries.append(CacheEntry(directory.name, directory, source, tokens,
+                                      _dir_bytes(directory), directory.stat().st_mtime))
+    return sorted(entries, key=lambda e: -e.bytes)
+
+
+def clear_cache(cache_dir: str | os.PathLike | None = None,
+                keys: list[str] | None = None) -> list[CacheEntry]:
+    """Remove the copies whose key starts with one of ``keys`` (all of them, and the remembered
+    file digests, without ``keys``); return the removed entries. A run that has a copy open keeps
+    reading it (its pages stay until it ends)."""
+    root = cache_root(cache_dir)
+    chosen = [e for e in cache_entries(cache_dir)
+              if not keys or any(e.key.startswith(k) for k in keys)]
+    if keys:
+        unknown = [k for k in keys if not any(e.key.startswith(k) for e in chosen)]
+        if unknown:
+            raise InputError(f"trace cache {root}: no copy has a key starting with "
+                             f"'{unknown[0]}'; moe-trace cache list shows the keys")
+    for entry in chosen:
+        _remove(entry.path)
+    if not keys:
+        shutil.rmtree(root / "hashes", ignore_errors=True)
+        remove_orphans(root)
+    return chosen
 
 
 def _read_manifest(directory: Path) -> dict:

@@ -7,6 +7,7 @@
     moe-trace import route-csv IN OUT
     moe-trace repack IN OUT [--logits-quantum Q] [--compact-logits]
     moe-trace info PATH [--json] [--verify]
+    moe-trace cache list [--json] | clear [KEY ...]    the decoded copies moe-sim keeps (trace.cache)
 
 Bad input, and a disk or permission error, prints ``moe-trace: error: <one line>`` on stderr
 (control characters escaped) and exits 2; an output file is written completely or not at all,
@@ -18,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+import time
 import unicodedata
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -130,6 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--verify", action="store_true",
                       help="decode every value and check the trace against its recorded content hash")
     info.set_defaults(command=_info)
+
+    cache = commands.add_parser(
+        "cache", help="list or clear the decoded copies moe-sim keeps (trace.cache=true)",
+        description="The trace cache: decoded, memory-mapped copies of traces under $MOE_SIM_CACHE "
+                    "(default ~/.cache/moe-offload-sim), one per trace content.")
+    actions = cache.add_subparsers(required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="each copy's key, size, tokens and trace")
+    listing.add_argument("--json", action="store_true", help="print the list as JSON")
+    listing.set_defaults(command=_cache_list)
+    clear = actions.add_parser("clear", help="remove copies (all of them without KEY)")
+    clear.add_argument("keys", nargs="*", metavar="KEY", help="a copy's key or its first characters")
+    clear.set_defaults(command=_cache_clear)
+    for action in (listing, clear):
+        action.add_argument("--cache-dir", default=None,
+                            help="the cache directory (default: $MOE_SIM_CACHE or ~/.cache/moe-offload-sim)")
     return parser
 
 
@@ -150,6 +167,18 @@ def _check_out(out: str, force: bool) -> None:
 
 def _progress() -> bool:
     return sys.stderr.isatty()
+
+
+def _wrote(out: str, started: float) -> None:
+    """The closing line of a command that wrote a trace, beside its progress bar (a terminal)."""
+    if not _progress():
+        return
+    with open_trace(out) as written:
+        meta, tokens = written.meta, written.num_tokens
+    size = Path(out).stat().st_size
+    print(f"moe-trace: wrote {out}: {tokens:,} tokens x {meta.num_layers} MoE layers x "
+          f"{meta.num_experts} experts, top-{meta.top_k} ({size / 2**20:,.1f} MiB) in "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
 
 
 FITTED_OPTIONS = ("tokens", "seed", "logits")  # the SynthSpec options a fitted trace takes
@@ -175,7 +204,9 @@ def _synth(args: argparse.Namespace) -> None:
     if missing:
         raise InputError(f"synth option '{missing[0]}' (--{missing[0].replace('_', '-')}) is missing; "
                          "give it, or draw a fitted trace with --like REAL or --preset NAME")
+    started = time.perf_counter()
     write_synth_trace(args.out, progress=_progress(), **{**defaults, **given})
+    _wrote(args.out, started)
     return None
 
 
@@ -202,8 +233,10 @@ def _synth_fitted(args: argparse.Namespace, given: dict) -> None:
             logits_option(logits, meta.top_k, meta.num_experts)  # bad options stop before the fit
             fit = fit_routing(real, progress=_progress(), name=args.like)
         origin = {"like": args.like}
+    started = time.perf_counter()
     write_fitted_trace(args.out, fit, tokens, seed, logits, progress=_progress(),
                        extra={"synth": {**origin, "tokens": tokens, "seed": seed, "logits": logits}})
+    _wrote(args.out, started)
     if args.like:
         _print_check(args.like, args.out, table=args.check is not None)
 
@@ -226,7 +259,9 @@ def _print_check(real_path: str, synth_path: str, table: bool) -> None:
 
 def _import_route_csv(args: argparse.Namespace) -> None:
     _check_out(args.out, args.force)
+    started = time.perf_counter()
     import_route_csv(args.src, args.out, progress=_progress())
+    _wrote(args.out, started)
 
 
 def _fraction(text: str) -> float:
@@ -240,8 +275,10 @@ def _fraction(text: str) -> float:
 
 def _repack(args: argparse.Namespace) -> None:
     _check_out(args.out, args.force)
+    started = time.perf_counter()
     repack_trace(args.src, args.out, logits_quantum=args.logits_quantum, model_name=args.model_name,
                  progress=_progress(), compact_logits=args.compact_logits)
+    _wrote(args.out, started)
 
 
 def _info(args: argparse.Namespace) -> None:
@@ -261,6 +298,31 @@ def _info(args: argparse.Namespace) -> None:
             summary["content_hash"] = source.verify() if args.verify else source.content_hash
             summary["verified"] = args.verify
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+
+
+def _cache_list(args: argparse.Namespace) -> None:
+    from simulator.trace_cache import cache_entries, cache_root
+
+    entries = cache_entries(args.cache_dir)
+    if args.json:
+        print(json.dumps([{"key": e.key, "path": str(e.path), "trace": e.source_file,
+                           "tokens": e.num_tokens, "bytes": e.bytes} for e in entries], indent=2))
+        return
+    for e in entries:
+        tokens = f"{e.num_tokens:,} tokens" if e.num_tokens is not None else "unreadable manifest"
+        print(f"{e.key[:16]}  {e.bytes / 2**20:>10,.1f} MiB  {tokens:>16}  "
+              f"{printable(e.source_file or '?')}")
+    total = sum(e.bytes for e in entries)
+    print(f"{len(entries)} decoded {'copy' if len(entries) == 1 else 'copies'}, "
+          f"{total / 2**20:,.1f} MiB in {cache_root(args.cache_dir)}")
+
+
+def _cache_clear(args: argparse.Namespace) -> None:
+    from simulator.trace_cache import cache_root, clear_cache
+
+    removed = clear_cache(args.cache_dir, args.keys or None)
+    print(f"removed {len(removed)} decoded {'copy' if len(removed) == 1 else 'copies'}, "
+          f"{sum(e.bytes for e in removed) / 2**20:,.1f} MiB, from {cache_root(args.cache_dir)}")
 
 
 def _not_a_trace(path: Path) -> str:

@@ -27,6 +27,7 @@ Writes ``results.npz`` and ``open_loop.npz`` (per strategy x token arrays), ``em
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -40,7 +41,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:  # --help works without the capture extra; main() says what is missing
+    torch = None
 
 from simulator.engine import needs_next_use, simulate
 from simulator.engine.params import FETCH, FORCED_FETCH, HIT, SUBSTITUTE, SimParams
@@ -217,7 +222,18 @@ def emulation_meta(model, sites, name: str, domains: Sequence[str], extra: dict 
                      **{key: info[key] for key in same})
 
 
-Route = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Route = Callable[[int, "torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+
+
+def inference_mode(fn):
+    """``torch.inference_mode()`` around ``fn``, entered at call time (so that the module, and
+    ``moe-emulate --help``, load without torch)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _block_forward(block, j: int, route: Route):
@@ -606,7 +622,7 @@ class ClosedLoop:
         return torch.from_numpy(run).to(ids.device, ids.dtype)
 
 
-@torch.inference_mode()
+@inference_mode
 def run_closed_loop(model, sites, tokens: Tokens, pool: DecisionPool, lanes: Lanes, warmup: np.ndarray,
                     num_strategies: int, observe: Callable[[int, torch.Tensor], None] | None = None,
                     progress: Callable[[int], None] | None = None,
@@ -687,7 +703,7 @@ class OpenLoop:
         return torch.from_numpy(np.where(apply, sub, e).reshape(-1, k)).to(ids.device, ids.dtype)
 
 
-@torch.inference_mode()
+@inference_mode
 def run_open_loop(model, sites, tokens: Tokens, ref_experts: np.ndarray,
                   decisions: Decisions) -> tuple[np.ndarray, np.ndarray]:
     """One batched teacher-forced forward per window, all strategies as rows, with decisions
@@ -977,6 +993,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if torch is None:
+        print("moe-emulate: error: needs torch and transformers; install the capture extra with a "
+              "torch build for this host (pip install torch, then pip install -e '.[capture]')",
+              file=sys.stderr)
+        sys.exit(EXIT_INPUT_ERROR)
     try:
         run_cli(args, sys.argv[1:] if argv is None else argv)
     except InputError as e:
