@@ -214,11 +214,13 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
     return params, substitute_by
 
 
-def open_source(trace_cfg: Mapping):
+def open_source(trace_cfg: Mapping, opened=None):
     path = resolve_path(str(trace_cfg["path"]))
-    if not path.exists():
+    if opened is not None:  # the sweep's decoded copy of trace.path (simulator/launcher.py)
+        source = opened
+    elif not path.exists():
         raise InputError(f"'trace.path={trace_cfg['path']}' does not exist; give an existing trace file")
-    if trace_cfg.get("cache"):
+    elif trace_cfg.get("cache"):
         from simulator.trace_cache import cached_source
 
         source = cached_source(path)
@@ -233,12 +235,14 @@ def open_source(trace_cfg: Mapping):
     return source
 
 
-def simulate_config(cfg: Mapping, progress: bool = False) -> tuple[dict, object]:
-    """Run one configuration (a plain mapping or DictConfig); return (summary dict, SimResult)."""
+def simulate_config(cfg: Mapping, progress: bool = False, opened=None) -> tuple[dict, object]:
+    """Run one configuration (a plain mapping or DictConfig); return (summary dict, SimResult).
+
+    ``opened``: trace.path already opened (a sweep's shared decoded copy)."""
     from simulator.engine import simulate
     from simulator.results import summarize
 
-    source = open_source(cfg["trace"])
+    source = open_source(cfg["trace"], opened)
     params, substitute_by = build_params(cfg, source.meta)
     engine = cfg.get("engine", "numba")
     if engine not in ("numba", "reference"):
@@ -298,6 +302,7 @@ def _task(cfg) -> dict | None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
+    from simulator.launcher import prepared_simulation
     from simulator.results import write_outputs
     from traces.atomic import atomic_write_bytes
 
@@ -308,7 +313,7 @@ def _task(cfg) -> dict | None:
     show = plain.get("progress")
     show = sys.stderr.isatty() if show is None else bool(show)
     try:
-        summary, result = simulate_config(plain, progress=show)
+        summary, result = prepared_simulation(plain) or simulate_config(plain, progress=show)
         write_outputs(run_dir, summary, result, per_token=bool(plain.get("per_token", True)))
     except InputError as e:
         print(f"moe-sim: error: {e}", file=sys.stderr)
