@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import shutil
+import sys
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from traces.errors import InputError
+from traces.errors import EXIT_INPUT_ERROR, InputError
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +186,10 @@ class InProcessLauncher(Launcher):
     def __init__(self, workers: int | None = None) -> None:
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
                                     or workers < 1):
-            raise InputError(f"'hydra.launcher.workers={workers}' must be a whole number >= 1 "
-                             "(or null for the usable cores)")
+            # Hydra instantiates the launcher before the sweep directory exists: stop here.
+            print(f"moe-sim: error: 'hydra.launcher.workers={workers}' must be a whole number "
+                  ">= 1 (or null for the usable cores)", file=sys.stderr)
+            sys.exit(EXIT_INPUT_ERROR)
         self.workers = workers
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
