@@ -337,15 +337,18 @@ def ignored_settings(cfg: Mapping, params: SimParams) -> list[str]:
     return lines
 
 
-def open_source(trace_cfg: Mapping):
-    """The trace a config names, as a chunk source (through the trace cache with trace.cache)."""
+def open_source(trace_cfg: Mapping, opened=None):
+    """The trace a config names, as a chunk source (through the trace cache with trace.cache);
+    ``opened``: that trace already opened (a sweep's shared decoded copy, simulator/launcher.py)."""
     path = resolve_path(str(trace_cfg["path"]))
-    if not path.exists():
-        raise InputError(f"'trace.path={trace_cfg['path']}' does not exist; give an existing trace file")
     chunk = trace_cfg.get("chunk_tokens")
     if chunk is not None and int(chunk) < 1:
         raise InputError(f"'trace.chunk_tokens={chunk}' must be >= 1 (or null for ~64 MiB chunks)")
-    if trace_cfg.get("cache"):
+    if opened is not None:
+        source = opened
+    elif not path.exists():
+        raise InputError(f"'trace.path={trace_cfg['path']}' does not exist; give an existing trace file")
+    elif trace_cfg.get("cache"):
         from simulator.trace_cache import cached_source
 
         source = cached_source(path)
@@ -435,13 +438,14 @@ class Prepared:
     provenance: dict
 
 
-def prepare(cfg: Mapping) -> Prepared:
-    """Open the trace, validate ``cfg`` against it (InputError) and warn about ignored settings."""
+def prepare(cfg: Mapping, opened=None) -> Prepared:
+    """Open the trace (``opened``: as :func:`open_source`), validate ``cfg`` against it
+    (InputError) and warn about ignored settings."""
     from simulator.results import provenance
     from simulator.trace_cache import trace_key
 
     cfg = with_hardware_file(dict(cfg))
-    source = open_source(cfg["trace"])
+    source = open_source(cfg["trace"], opened)
     params, substitute_by = build_params(cfg, source.meta)
     engine = cfg.get("engine", "numba")
     if engine not in ("numba", "reference"):
@@ -475,11 +479,13 @@ def finish(prepared: Prepared, result, sim_seconds: float) -> dict:
     return summary
 
 
-def simulate_config(cfg: Mapping, progress: bool = False) -> tuple[dict, object]:
-    """Run one configuration (a plain mapping or DictConfig); return (summary dict, SimResult)."""
+def simulate_config(cfg: Mapping, progress: bool = False, opened=None) -> tuple[dict, object]:
+    """Run one configuration (a plain mapping or DictConfig); return (summary dict, SimResult).
+
+    ``opened``: trace.path already opened (a sweep's shared decoded copy)."""
     from simulator.engine import simulate
 
-    prepared = prepare(cfg)
+    prepared = prepare(cfg, opened)
     bar = _progress_bar(prepared.source, progress)
     t0 = time.perf_counter()
     try:
@@ -587,6 +593,7 @@ def _task(cfg) -> dict | object:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from simulator.launcher import prepared_simulation
     from simulator.results import write_outputs
 
     hc = HydraConfig.get()
@@ -596,7 +603,7 @@ def _task(cfg) -> dict | object:
         plain = _resolved(cfg)
         show = plain.get("progress")
         show = sys.stderr.isatty() if show is None else bool(show)
-        summary, result = simulate_config(plain, progress=show)
+        summary, result = prepared_simulation(plain) or simulate_config(plain, progress=show)
         with output_errors(run_dir):
             write_outputs(run_dir, summary, result, per_token=bool(plain.get("per_token", True)),
                           domains=summary["provenance"]["trace"].get("domains") or ())
