@@ -191,7 +191,7 @@ def chosen_runs(meta: TraceMeta, predictors: list[str] | None,
     names = predictors if explicit else [n for n in REGISTRY if n != "none"]
     runs, notes = {}, []
     for name in dict.fromkeys(names):
-        if name not in REGISTRY:
+        if name not in tuple(REGISTRY):  # Mapping.__contains__ would raise the registry's own error
             raise InputError(f"predict --predictor {name} is not known; choose from: "
                              f"{', '.join(REGISTRY)}")
         module = REGISTRY[name]

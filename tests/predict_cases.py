@@ -17,10 +17,11 @@ from traces.format import LOOKAHEAD_NO_LAYER, PHASE_DECODE, ArraySource, TraceMe
 
 
 def lookahead_trace(experts, lookahead_ids=None, *, num_experts: int, phase=None, seq=None,
-                    expert_bytes=None) -> ArraySource:
+                    expert_bytes=None, all_experts: bool = False) -> ArraySource:
     """An in-memory trace from experts [T, L, k] and look-ahead ids [T, L, D, R] (best first;
     the ids of rows l + d >= L are replaced by the sentinel); all decode tokens of sequence 0
-    unless ``phase`` / ``seq`` say otherwise."""
+    unless ``phase`` / ``seq`` say otherwise. ``all_experts``: stored as all E logits in expert
+    order (R must be E) instead of top-R with ids."""
     experts = np.asarray(experts, dtype=np.int16)
     T, L, k = experts.shape
     phase = np.full(T, PHASE_DECODE) if phase is None else np.asarray(phase)
@@ -35,6 +36,10 @@ def lookahead_trace(experts, lookahead_ids=None, *, num_experts: int, phase=None
         ids[:, missing] = LOOKAHEAD_NO_LAYER
         logits[:, missing] = -np.inf
         ahead = dict(lookahead_ids=ids, lookahead_logits=logits)
+        if all_experts:
+            dense = np.full(logits.shape, -np.inf, np.float32)
+            np.put_along_axis(dense, np.maximum(ids, 0).astype(np.intp), logits, axis=-1)
+            ahead, top_r = dict(lookahead_logits=dense), 0
     meta = TraceMeta(model="hand", num_layers=L, num_experts=num_experts, top_k=k,
                      expert_bytes=list(expert_bytes or [100] * L), lookahead_depth=depth,
                      lookahead_top_r=top_r, lookahead_source="moe_input" if depth else "")
@@ -43,14 +48,16 @@ def lookahead_trace(experts, lookahead_ids=None, *, num_experts: int, phase=None
     return ArraySource(meta, chunk)
 
 
-def random_lookahead_trace(rng: np.random.Generator, tokens: int = 60) -> ArraySource:
+def random_lookahead_trace(rng: np.random.Generator, tokens: int = 60,
+                           all_experts: bool = False) -> ArraySource:
     """Skewed routing with prompts and decode tokens in several sequences, and look-ahead ids
-    that list the true experts of layer l + d among random others."""
+    that list the true experts of layer l + d among random others (all E of them with
+    ``all_experts``, stored in expert order)."""
     L = int(rng.integers(2, 5))
     E = int(rng.choice([4, 8, 16]))
     k = int(rng.integers(1, min(4, E) + 1))
     D = int(rng.integers(1, L))
-    R = int(rng.integers(1, E + 1))
+    R = E if all_experts else int(rng.integers(1, E + 1))
     seq, phase = [], []
     while len(seq) < tokens:
         s = len(set(seq))
@@ -68,7 +75,8 @@ def random_lookahead_trace(rng: np.random.Generator, tokens: int = 60) -> ArrayS
         np.put_along_axis(noise[:, :, d - 1], ahead, noise.max() + 1.0, axis=-1)
     ids = np.argsort(-noise, axis=-1, kind="stable")[..., :R]
     return lookahead_trace(experts, ids, num_experts=E, phase=phase, seq=seq,
-                           expert_bytes=[int(b) for b in rng.integers(50, 400, size=L)])
+                           expert_bytes=[int(b) for b in rng.integers(50, 400, size=L)],
+                           all_experts=all_experts)
 
 
 predictor = None  # bound per compiled step by specialise
