@@ -274,11 +274,8 @@ def score_trace(source, *, predictors: list[str] | None = None, distances: list[
     layout = make_layout(params, meta)
     consts = make_consts(params, layout)
     runs = [_Run(name, ds, top_ps, params, layout) for name, ds in plan.items()]
-    training: list[np.ndarray] = []
-    trained = train_tokens == 0
-    if trained:
-        for run in runs:
-            run.train(np.zeros((0, meta.num_layers, meta.top_k), np.int32))
+    training: list[np.ndarray] = []  # the training part's selections, until it is complete
+    trained = False
     start = scored = 0
     for chunk in source.iter_chunks():
         T = chunk.num_tokens
