@@ -7,7 +7,9 @@ lives under ``$MOE_SIM_CACHE`` (default ``$XDG_CACHE_HOME/moe-offload-sim``, i.e
 ``manifest.json``. Logits stay float16 as stored (top-R ones with their ids), expert ids int16,
 so the copy is about the size of the trace's float16 logits (plus 8 % at 48 x 512 x top-10, and
 12.5 % for 64 ranked ids); chunks convert them with the float16 lookup table and decode only
-what the caller asks for (``logits``, ``order_r``, as every chunk source).
+what the caller asks for (``logits``, ``order_r``, as every chunk source). Look-ahead routing is
+kept decoded, ids sorted by logit (int16) beside their float16 logits: the stored size for top-R
+look-ahead, twice it for all E (whose order the reader would otherwise sort again per chunk).
 
 Built while the first run streams: a source opened before a copy exists reads the Parquet file
 for its first forward pass and writes the copy as it goes; the copy is put in place only when
@@ -65,6 +67,7 @@ from traces.format import (
     decode_stored,
     decoded_logits,
     default_max_tokens,
+    float32_logits,
     group_plan,
     open_trace,
     order_width,
@@ -74,10 +77,11 @@ from traces.format import (
 )
 
 CACHE_ENV = "MOE_SIM_CACHE"
-LAYOUT_VERSION = 3  # bump when the files below change meaning
+LAYOUT_VERSION = 4  # bump when the files below change meaning
 MANIFEST = "manifest.json"
 _PER_TOKEN = ("seq", "pos", "phase", "group", "domain", "token_id", "nll")  # from the decoded chunk
 _STORED = ("experts", "residency", "logits", "logit_ids")  # as the trace stores them
+_LOOKAHEAD = {"lookahead_ids": np.int16, "lookahead_logits": np.float16}  # decoded, narrowed
 _CRC_BLOCK = 16 * 2**20
 
 
@@ -194,7 +198,9 @@ class CachedTrace:
                     content.update(stored)
                     chunk = decode_stored(self.meta, stored, first_group, logits=logits, order_r=order_r)
                     arrays = {**{n: getattr(chunk, n) for n in _PER_TOKEN if getattr(chunk, n) is not None},
-                              "gates": chunk.gates, **{n: stored[n] for n in _STORED if n in stored}}
+                              "gates": chunk.gates, **{n: stored[n] for n in _STORED if n in stored},
+                              **{n: getattr(chunk, n).astype(t) for n, t in _LOOKAHEAD.items()
+                                 if getattr(chunk, n) is not None}}
                     if order_r:
                         arrays[f"logit_order_{order_r}"] = chunk.logit_order
                     for name, value in arrays.items():
@@ -274,7 +280,11 @@ class CachedTrace:
                             else np.zeros((0, meta.num_layers, meta.num_experts), np.float32)),
                     residency=a["residency"][rows] if "residency" in a
                     else np.zeros((0, meta.num_layers, meta.top_k), np.int8),
-                    nll=a["nll"][rows] if "nll" in a else None)
+                    nll=a["nll"][rows] if "nll" in a else None,
+                    lookahead_ids=(a["lookahead_ids"][rows].astype(np.int32) if "lookahead_ids" in a
+                                   else None),
+                    lookahead_logits=(float32_logits(a["lookahead_logits"][rows])
+                                      if "lookahead_logits" in a else None))
                 if kept is not None:
                     chunk.logit_order = np.ascontiguousarray(self._orders[kept][rows, :, :order_r])
                 elif order_r:

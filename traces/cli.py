@@ -8,6 +8,7 @@
     moe-trace repack IN OUT [--logits-quantum Q] [--compact-logits]
     moe-trace info PATH [--json] [--verify]
     moe-trace cache list [--json] | clear [KEY ...]    the decoded copies moe-sim keeps (trace.cache)
+    moe-trace predict TRACE [--predictor NAME ...] [--distance D ...] [--top-p P ...] [--train-tokens N] [--out DIR]
 
 Bad input, and a disk or permission error, prints ``moe-trace: error: <one line>`` on stderr
 (control characters escaped) and exits 2; an output file is written completely or not at all,
@@ -147,7 +148,44 @@ def build_parser() -> argparse.ArgumentParser:
     for action in (listing, clear):
         action.add_argument("--cache-dir", default=None,
                             help="the cache directory (default: $MOE_SIM_CACHE or ~/.cache/moe-offload-sim)")
+    predict = commands.add_parser(
+        "predict", help="score the prefetch predictors: recall@k, precision and bytes moved",
+        description="Score every prefetch predictor (simulator/policies/predictor) on a trace: per "
+                    "distance and P, recall@k, precision and the bytes a prefetch would move, per "
+                    "predicted layer and overall, on the decode tokens after a training part; a "
+                    "Markdown table on stdout, predict.md, predict.json and predict.png in --out "
+                    "(docs/PREDICT.md).")
+    _predict_arguments(predict)
+    predict.set_defaults(command=_predict)
     return parser
+
+
+def _predict_arguments(parser: argparse.ArgumentParser) -> None:
+    from simulator.policies.predictor import REGISTRY  # the names only: no kernel is imported
+
+    parser.add_argument("trace", metavar="TRACE", help="trace file (.parquet)")
+    parser.add_argument("--predictor", nargs="+", default=None, metavar="NAME",
+                        help=f"predictors to score, of {', '.join(REGISTRY)} (default: every one "
+                             "but none; one that needs look-ahead routing the trace lacks is "
+                             "skipped with a note)")
+    parser.add_argument("--distance", nargs="+", type=int, default=[1], metavar="D",
+                        help="layers ahead to predict, 1 .. L - 1 (default: 1)")
+    parser.add_argument("--top-p", nargs="+", type=int, default=None, metavar="P",
+                        help="experts predicted per layer (default: the trace's top-k)")
+    parser.add_argument("--train-tokens", type=int, default=None, metavar="N",
+                        help="leading tokens that train coactivation and are scored for no "
+                             "predictor (default: coactivation's train_tokens option, at most a "
+                             "quarter of the trace)")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="write predict.md, predict.json and predict.png here (default: "
+                             "runs/predict/<trace name>)")
+
+
+def _predict(args: argparse.Namespace) -> None:
+    from analysis.predict import predict_command
+
+    predict_command(Path(args.trace), predictors=args.predictor, distances=args.distance,
+                    top_ps=args.top_p, train_tokens=args.train_tokens, out=args.out)
 
 
 def _force(parser: argparse.ArgumentParser) -> None:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from simulator.jit import jit
-from simulator.policies import NoState, no_state
+from simulator.policies import NoState
+from simulator.policies.predictor._base import StatelessReference, no_observe, no_state
 
 NEEDS_LOOKAHEAD = False
 TRAIN_TOKENS = None
-State, make_state = NoState, no_state
+State, make_state, observe = NoState, no_state, no_observe
 
 
 @jit(allocates=False, inline=True)
@@ -14,17 +15,6 @@ def predict(core, st, c, ch, a, layer, d, top_p, out):
     return 0
 
 
-@jit(allocates=False, inline=True)
-def observe(core, st, c, ch, a, layer):
-    pass
-
-
-class Reference:
-    def __init__(self, sim):
-        pass
-
+class Reference(StatelessReference):
     def predict(self, chunk, a, layer, d, top_p):
         return []
-
-    def observe(self, chunk, a, layer):
-        pass
