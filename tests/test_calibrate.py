@@ -301,16 +301,19 @@ def test_cpu_calibration_measures_the_disk_and_the_fixed_costs(tmp_path):
     assert yaml.safe_load(again.read_text()) == profile
 
 
-def test_buffers_are_page_aligned_and_an_expert_file_is_kept(tmp_path):
+def test_buffers_are_page_aligned_and_an_expert_file_is_kept(tmp_path, monkeypatch):
     path = _expert_file(tmp_path, 1)
     stamp = path.stat().st_mtime_ns
     assert storage.write_expert_file(path, 64 * MIB) == path and path.stat().st_mtime_ns == stamp
     assert path.stat().st_size == MIB
-    bufs = storage.aligned_buffers(3, 5000, pinned=False)
-    assert bufs.shape == (3, 8192)
-    assert all(bufs[i].data_ptr() % storage.DIRECT_ALIGN == 0 for i in range(3))
+    monkeypatch.setattr(storage.HostBuffers, "CHUNK_BYTES", 5 * 8192)  # four rows a chunk: several chunks
+    bufs = storage.HostBuffers(6, 5000, pinned=False)
+    assert len(bufs) == 6 and all(row.shape == (8192,) for row in bufs.rows)
+    assert all(bufs[i].data_ptr() % storage.DIRECT_ALIGN == 0 for i in range(6))
+    assert len({bufs[i].data_ptr() for i in range(6)}) == 6
     with storage.DirectFile(path, 8192) as f:
-        assert f.blocks == MIB // 8192 and f.read(f.blocks + 1, bufs.numpy()[0]) == 8192
+        assert f.blocks == MIB // 8192 and f.read(f.blocks + 1, bufs.arrays[5]) == 8192
+    assert bufs[5].sum().item() > 0  # the read landed in the row's memory
 
 
 def test_a_layer_stack_runs_each_steps_experts(tmp_path):

@@ -3,6 +3,7 @@ tiny replays produce sane per-token times, and the comparison report is right.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -398,3 +399,29 @@ def test_summary_needs_no_simulator(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "a@0.25" in done.stdout and "-5.0%" in done.stdout and "mean |error| 5.0%" in done.stdout
+
+
+def test_the_validation_script_on_the_cpu(tmp_path, tiny_trace_file):
+    """validate.sh's GPU half at tiny shapes (DEVICE=cpu) on tiny plans: every stage runs, and
+    what comes back is at most 8 files, at most 2 folders deep, with the summary table last."""
+    pytest.importorskip("torch")
+    plans = tmp_path / "plans"
+    common = ["--trace", str(tiny_trace_file), "--profile", str(PROFILE), "--model", "", "--fractions", "0.25"]
+    replay.main(["plan", *common, "--policies", "fetch_all,speed_first", "--out", str(plans / "qwen3_next.npz")])
+    replay.main(["plan", *common, "--policies", "rule015", "--out", str(plans / "qwen3_30b.npz")])
+    replay.main(["plan", *common, "--policies", "rule015", "--host-ram", f"{8 * 3 * 64 * 32 * 2 / GIB:.9f}",
+                 "--out", str(plans / "ssd.npz")])
+    out = tmp_path / "out"
+    env = dict(os.environ, DEVICE="cpu", OUT=str(out), PLANS=str(plans), SSD_FILE=str(tmp_path / "experts.bin"),
+               PY=sys.executable)
+    done = subprocess.run(["bash", str(REPO / "simulator" / "gpu" / "validate.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["h200_measured.samples.json", "h200_measured.yaml", "qwen3_30b/replay.json",
+                     "qwen3_next/replay.json", "ssd/replay.json", "summary.txt", "validate.log"]
+    log = (out / "validate.log").read_text()
+    assert log.count(": done in ") == 4 and "FAILED" not in log
+    summary = (out / "summary.txt").read_text()
+    assert summary.count("mean |error|") == 3 and "rule015@0.25+ram" in summary
+    assert done.stdout.endswith(summary) and not (tmp_path / "experts.bin").exists()

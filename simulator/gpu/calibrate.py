@@ -67,7 +67,7 @@ from simulator.gpu.kernels import (
 )
 from simulator.gpu.storage import (
     DirectFile,
-    aligned_buffers,
+    HostBuffers,
     round_up,
     temporary_expert_file,
     write_expert_file,
@@ -345,7 +345,7 @@ def measure_ssd_reads(path: Path, block: int, pattern: str, qd: int, seconds: fl
 
     Returns per-read latencies (us) and the aggregate bandwidth (GB/s) over the run.
     """
-    bufs = aligned_buffers(qd, block, pinned).numpy()
+    bufs = HostBuffers(qd, block, pinned).arrays
     lat: list[float] = []
     lock = threading.Lock()
     counter = [0]
@@ -412,8 +412,8 @@ def measure_read_copy(device, path: Path, expert_bytes: int, n: int, reps: int, 
     out = []
     with DirectFile(path, block) as f:
         for pinned in (True, False) if cuda else (False,):
-            bufs = aligned_buffers(n, block, pinned)
-            views = bufs.numpy()
+            bufs = HostBuffers(n, block, pinned)
+            views = bufs.arrays
             stream = torch.cuda.Stream() if cuda else None
             totals, read_ends = [], []
             for _ in range(reps):
@@ -435,7 +435,7 @@ def measure_read_copy(device, path: Path, expert_bytes: int, n: int, reps: int, 
                 with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                     for i in range(n):
                         done[i].wait()
-                        dst[i].copy_(bufs[i, :expert_bytes], non_blocking=cuda)
+                        dst[i].copy_(bufs[i][:expert_bytes], non_blocking=cuda)
                 if cuda:
                     stream.synchronize()
                 totals.append((time.perf_counter() - t0) * 1e6)
@@ -487,7 +487,7 @@ def measure_fixed_costs(device, dtype, model: str, dims: ModelDims, reps: int, c
     stack.load([torch.randperm(n_slots)[:k].tolist() for _ in range(steps)])
     expert_bytes = numel * itemsize
     top = max(copies)
-    src = aligned_buffers(top, expert_bytes, pinned=cuda)
+    src = HostBuffers(top, expert_bytes, pinned=cuda)
     dst = torch.empty((top, expert_bytes), dtype=torch.uint8, device=device)
     state = {"step": 0}
 
@@ -497,7 +497,7 @@ def measure_fixed_costs(device, dtype, model: str, dims: ModelDims, reps: int, c
                 if nonexpert:
                     stack.nonexpert(layer)()
                 for j in range(c):
-                    dst[j].copy_(src[j, :expert_bytes], non_blocking=cuda)
+                    dst[j].copy_(src[j][:expert_bytes], non_blocking=cuda)
                 if experts:
                     stack.experts(state["step"])
                     state["step"] += 1

@@ -61,7 +61,7 @@ from simulator.gpu.kernels import (
     resolve_device,
     tiny_dims,
 )
-from simulator.gpu.storage import DirectFile, aligned_buffers, round_up, write_expert_file
+from simulator.gpu.storage import DirectFile, HostBuffers, round_up, write_expert_file
 from simulator.models import with_attention_shapes
 from traces.atomic import atomic_output, atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR, InputError
@@ -656,8 +656,8 @@ class Executor:
         self.expert_bytes = numel * itemsize
         self.host = self._host_experts(host_layers * num_experts, numel) if host_layers else []
         n_pinned, n_pageable = tier_buffers
-        self.tier = {PINNED: aligned_buffers(n_pinned, self.expert_bytes, pinned=self.cuda),
-                     PAGEABLE: aligned_buffers(n_pageable, self.expert_bytes, pinned=False)}
+        self.tier = {PINNED: HostBuffers(n_pinned, self.expert_bytes, pinned=self.cuda),
+                     PAGEABLE: HostBuffers(n_pageable, self.expert_bytes, pinned=False)}
         if n_pinned or n_pageable:
             log(f"host RAM tier: {n_pinned} pinned and {n_pageable} pageable expert buffers "
                 f"({(n_pinned + n_pageable) * self.expert_bytes / GIB:.1f} GiB)")
@@ -697,7 +697,7 @@ class Executor:
         """The host bytes a copy of expert x reads."""
         if src == HOST:
             return self.host[(x // self.E) % self.host_layers * self.E + x % self.E]
-        return self.tier[src][buf, : self.expert_bytes]
+        return self.tier[src][buf][: self.expert_bytes]
 
     def _event(self, stream):
         """A CUDA event recorded on ``stream`` now (None on the CPU, where work is synchronous)."""
@@ -709,12 +709,11 @@ class Executor:
 
     def _reader(self, reads: list, progress: _Progress) -> None:
         """The SSD: read after read, in the plan's order, each once the GPU reached its step."""
-        views = {kind: t.numpy() for kind, t in self.tier.items()}
         for r, (x, kind, buf, gate) in enumerate(reads):
             ev = progress.get(progress.nonexpert_done, gate)
             if ev is not None:
                 ev.synchronize()
-            self.disk.read(x, views[kind][buf])
+            self.disk.read(x, self.tier[kind].arrays[buf])
             progress.read_done(r)
 
     def _background(self, transfers: list, progress: _Progress) -> None:

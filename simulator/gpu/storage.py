@@ -33,16 +33,33 @@ def direct_flag() -> int:
     return flag
 
 
-def aligned_buffers(n: int, nbytes: int, pinned: bool):
-    """A uint8 tensor [n, round_up(nbytes)] whose rows start on page boundaries (O_DIRECT reads
-    into them); page-locked (pinned) when ``pinned``, for asynchronous copies to a GPU."""
-    from simulator.gpu.kernels import import_torch
+class HostBuffers:
+    """``n`` host buffers of ``round_up(nbytes)`` bytes each (uint8 rows) that start on page
+    boundaries, so O_DIRECT reads can fill them; page-locked (pinned) when ``pinned``, so copies
+    to a GPU run asynchronously from them. Allocated in chunks of at most ``CHUNK_BYTES``: the
+    pinned allocator rounds every allocation up to a power of two."""
 
-    torch = import_torch()
-    row = round_up(nbytes)
-    flat = torch.empty(n * row + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pinned)
-    skip = -flat.data_ptr() % DIRECT_ALIGN
-    return flat[skip : skip + n * row].view(n, row)
+    CHUNK_BYTES = 1 << 30
+
+    def __init__(self, n: int, nbytes: int, pinned: bool):
+        from simulator.gpu.kernels import import_torch
+
+        torch = import_torch()
+        self.row_bytes = round_up(nbytes)
+        per_chunk = max(1, (self.CHUNK_BYTES - DIRECT_ALIGN) // self.row_bytes)
+        self.rows = []
+        for start in range(0, n, per_chunk):
+            m = min(per_chunk, n - start)
+            flat = torch.empty(m * self.row_bytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pinned)
+            skip = -flat.data_ptr() % DIRECT_ALIGN
+            self.rows.extend(flat[skip : skip + m * self.row_bytes].view(m, self.row_bytes).unbind(0))
+        self.arrays = [row.numpy() for row in self.rows]  # the same memory, as buffers for os.preadv
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[i]
 
 
 def write_expert_file(path: Path, size_bytes: int) -> Path:
