@@ -1233,7 +1233,7 @@ def parser() -> argparse.ArgumentParser:
                     help="layers of experts held in pinned host memory (runs without a host-RAM limit)")
     rn.add_argument("--ssd-file", default=None,
                     help="expert file the SSD reads come from (used as it is if it exists, else created at --ssd-file-mib)")
-    rn.add_argument("--ssd-file-mib", type=int, default=8192, help="size of a new expert file (MiB)")
+    rn.add_argument("--ssd-file-mib", type=int, default=4096, help="size of a new expert file (MiB)")
     rn.add_argument("--expert-mode", choices=("auto", "batched", "graph", "eager"), default="auto",
                     help="batched: one grouped Triton kernel per step (auto on a GPU with Triton); graph: a CUDA "
                          "graph per expert slot; eager: plain torch calls")

@@ -16,7 +16,7 @@
 #
 # Stages on the H200 host (estimates from the last run's logs, each capped by a timeout so that
 # a stuck stage leaves time to the others; all of it under 9 minutes): calibrate about 2 min
-# (writing the 8 GiB expert file included), Qwen3-Next replay about 2 min (15 runs of 256
+# (writing the 4 GiB expert file included), Qwen3-Next replay about 2 min (15 runs of 256
 # tokens, 24 GiB of pinned host experts), Qwen3-30B replay about 1 min (15 runs of 128
 # tokens), SSD path about 1.5 min (6 runs of 128 tokens, SSD-bound at 50-150 ms per token).
 set -euo pipefail
@@ -55,6 +55,7 @@ gpu() {
     local py=${PY:-python3} dev=${DEVICE:-cuda} ssd_file=${SSD_FILE:-/var/tmp/moe-experts.bin} log=$OUT/validate.log
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     mkdir -p "$OUT"
+    local failed=0
     stage() {  # stage NAME SECONDS COMMAND...: logged, timed, capped; a failed stage leaves the rest
         local name=$1 limit=$2 t0=$SECONDS
         shift 2
@@ -63,17 +64,23 @@ gpu() {
             echo "== $name: done in $((SECONDS - t0)) s" >>"$log"
         else
             echo "== $name: FAILED (exit $?) after $((SECONDS - t0)) s" >>"$log"
+            failed=$((failed + 1))
         fi
     }
     stage calibrate 150 "$py" -m simulator.gpu.calibrate --device "$dev" --out "$OUT/h200_measured.yaml" \
-        --models qwen3_next_80b_a3b,qwen3_30b_a3b:6 --ssd-file "$ssd_file" --ssd-file-mib 8192
+        --models qwen3_next_80b_a3b,qwen3_30b_a3b:6 --ssd-file "$ssd_file" --ssd-file-mib 4096
     for plan in qwen3_next:170 qwen3_30b:90 ssd:130; do
         stage "replay ${plan%%:*}" "${plan##*:}" "$py" -m simulator.gpu.replay run --device "$dev" \
-            --plan "$PLANS/${plan%%:*}.npz" --out "$OUT/${plan%%:*}" --ssd-file "$ssd_file"
+            --plan "$PLANS/${plan%%:*}.npz" --out "$OUT/${plan%%:*}" --ssd-file "$ssd_file" --ssd-file-mib 4096
     done
     rm -f "$ssd_file"
     grep '^== ' "$log"
-    "$py" -m simulator.gpu.replay summary "$OUT"/*/replay.json | tee "$OUT/summary.txt"
+    shopt -s nullglob
+    local results=("$OUT"/*/replay.json)
+    if ((${#results[@]})); then
+        "$py" -m simulator.gpu.replay summary "${results[@]}" | tee "$OUT/summary.txt"
+    fi
+    return $((failed > 0))
 }
 
 case "${1:-gpu}" in
