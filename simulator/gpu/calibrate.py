@@ -4,107 +4,88 @@ Runs on the host being modelled (a GPU host; ``--device cpu`` is a tiny smoke ru
 It measures, with progress on stderr:
 
 - host-to-device copies, 64 KiB to 512 MiB, pinned and pageable, one and several streams,
-  fitted as ``fixed_us + bytes / bandwidth``;
-- SSD reads with O_DIRECT (page cache bypassed, aligned buffers) at expert-sized blocks,
-  sequential and random, queue depth 1 and higher, from a temporary file;
+  alone (on an idle link) and back to back, fitted as ``fixed_us + bytes / bandwidth``;
+- SSD reads with O_DIRECT (page cache bypassed) into page-aligned, pinned buffers: every block
+  size at queue depth 1, sequential and random, and expert-sized random reads at queue depths
+  1..32 (``--ssd-qds``); read-then-copy pipelines (experts read back to back, each copied as
+  soon as it is read) against the model's time for them;
 - one routed expert (SwiGLU gate/up/down) at batch 1: eager, one CUDA graph per expert, and a
   step's k experts in one grouped kernel (Triton, slot ids read from GPU memory); the non-expert
   part of a decoder layer (attention, router, shared expert) for each model's shapes; device
   times with the launch queue filled ahead, and the host's launch cost beside them;
+- the two fixed costs the engine charges besides them: per step, what the replay's sequence
+  (non-expert graph, copies, expert launch) costs beyond its parts; per token, what timing a
+  token between events on an idle device, synchronised after it, costs beyond its layers;
 - one routed expert on the CPU (torch, batch 1, the configured thread count).
 
 It writes the profile YAML (the schema ``simulator.hardware`` validates) and the raw samples in
-a JSON file beside it (``<profile>.samples.json``). The simulator only reads profiles.
-
-The expert and non-expert kernels defined here are the ones ``moe-replay`` runs, so what the
-profile says and what the replay executes are the same code.
+a JSON file beside it (``<profile>.samples.json``), with the fits and the checks derived from
+them (``--from-samples`` rebuilds both from the samples alone). The simulator only reads
+profiles. The kernels (:mod:`simulator.gpu.kernels`) and the disk reads
+(:mod:`simulator.gpu.storage`) are the ones ``moe-replay`` executes.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime as _dt
-import functools
 import json
 import math
-import mmap
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from simulator.gpu.kernels import (
+    GIB,
+    KIB,
+    MIB,
+    BatchedExperts,
+    ExpertKernel,
+    LayerStack,
+    ModelDims,
+    NonExpertLayer,
+    Timer,
+    batched_available,
+    capture_graph,
+    check_batched_experts,
+    check_expert_kernel,
+    import_torch,
+    model_dims,
+    random_weights,
+    resolve_device,
+    tiny_dims,
+)
+from simulator.gpu.storage import (
+    DirectFile,
+    HostBuffers,
+    round_up,
+    temporary_expert_file,
+    write_expert_file,
+)
 from simulator.hardware import validate_profile
-from simulator.models import preset, with_attention_shapes
+from simulator.models import with_attention_shapes
 from traces.atomic import atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR, InputError
 
 __all__ = [
-    "ModelDims",
-    "model_dims",
     "Fit",
     "fit_fixed_plus_bandwidth",
-    "validate_profile",
     "build_profile",
     "render_profile_yaml",
+    "profile_from_samples",
+    "read_copy_us",
     "main",
 ]
-
-KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-DIRECT_ALIGN = 4096  # O_DIRECT offset, length and buffer alignment
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Shapes of one MoE model's decoder layer (what the non-expert and expert kernels need)."""
-
-    hidden: int
-    expert_intermediate: int
-    num_layers: int
-    num_experts: int
-    top_k: int
-    shared_intermediate: int  # 0 = no shared expert
-    heads: int  # full (gated) attention
-    kv_heads: int
-    head_dim: int
-    full_attention_interval: int  # every n-th layer is full attention, the others linear; 1 = all
-    linear_k_heads: int = 0  # Gated DeltaNet (linear attention) shapes
-    linear_v_heads: int = 0
-    linear_head_dim: int = 0
-    conv_kernel: int = 4
-    gated_attention: bool = False  # attention output gated by sigmoid(q-side gate)
-
-    def expert_bytes(self, itemsize: int = 2) -> int:
-        return 3 * self.hidden * self.expert_intermediate * itemsize
-
-    def is_full_attention(self, layer: int) -> bool:
-        return (layer + 1) % self.full_attention_interval == 0
-
-
-def model_dims(name: str) -> ModelDims:
-    """The decoder-layer shapes of a model preset (``conf/model/<name>.yaml``, its ``attention``
-    block: the one registry of model shapes, shared with moe-sim)."""
-    p = preset(name)
-    a = p.get("attention")
-    if not a:
-        raise InputError(f"model '{name}' has no attention shapes in conf/model/{name}.yaml; "
-                         f"known: {', '.join(with_attention_shapes())}")
-    return ModelDims(
-        hidden=p["hidden_size"], expert_intermediate=p["moe_intermediate_size"],
-        num_layers=p["num_layers"], num_experts=p["num_experts"], top_k=p["top_k"],
-        shared_intermediate=p.get("shared_intermediate_size") or 0, heads=a["heads"],
-        kv_heads=a["kv_heads"], head_dim=a["head_dim"],
-        full_attention_interval=a["full_attention_interval"],
-        linear_k_heads=a.get("linear_k_heads", 0), linear_v_heads=a.get("linear_v_heads", 0),
-        linear_head_dim=a.get("linear_head_dim", 0),
-        gated_attention=bool(a.get("gated_attention", False)),
-    )
 
 
 def log(msg: str) -> None:
@@ -179,6 +160,7 @@ def build_profile(
     h2d: Fit,
     pageable_gbps: float,
     ssd: Fit,
+    idle_latency_us: float | None = None,
     gpu_expert: Fit,
     layer_fixed_us: float,
     cpu_expert: Fit,
@@ -186,8 +168,11 @@ def build_profile(
     samples_file: str | None,
     source: str = "measured",
     gpu_memory_bytes: int | None = None,
+    token_fixed_us: float | None = None,
+    step_fixed_us: float | None = None,
 ) -> dict:
-    """A profile dict of the schema ``simulator.hardware`` reads; validated before return."""
+    """A profile dict of the schema ``simulator.hardware`` reads; validated before return.
+    Optional terms left as None stay out of it (the engine's defaults apply)."""
     profile = {
         "name": name,
         "source": source,
@@ -210,8 +195,13 @@ def build_profile(
         },
         "compute": {m: {k: _sig(v) for k, v in t.items()} for m, t in compute.items()},
     }
+    if idle_latency_us is not None:
+        profile["pcie"]["idle_latency_us"] = _sig(idle_latency_us)
     if gpu_memory_bytes:
         profile["gpu"]["memory_bytes"] = int(gpu_memory_bytes)
+    for field, value in (("token_fixed_us", token_fixed_us), ("step_fixed_us", step_fixed_us)):
+        if value is not None:
+            profile["gpu"][field] = _sig(value)
     if samples_file:
         profile["samples"] = samples_file
     validate_profile(profile, origin=f"calibrated profile '{name}'")
@@ -230,6 +220,14 @@ def _q(s: str) -> str:
 def render_profile_yaml(profile: dict, header: Sequence[str] = ()) -> str:
     """The profile as commented YAML (fields in the order and with the help of the presets)."""
     p = profile
+
+    def field(section: str, name: str, comment: str) -> list[str]:
+        block = p if section == "" else p[section]
+        if name not in block:
+            return []
+        value = "null" if block[name] is None else block[name]
+        return [f"{'' if section == '' else '  '}{name}: {value}  # {comment}"]
+
     lines = [f"# {h}" for h in header]
     lines += [
         f"name: {p['name']}",
@@ -237,29 +235,26 @@ def render_profile_yaml(profile: dict, header: Sequence[str] = ()) -> str:
         "host:",
         *(f"  {k}: {_q(str(v))}" for k, v in p["host"].items()),
         "pcie:",
-        f"  latency_us: {p['pcie']['latency_us']}  # fixed cost per host-to-device copy (fit)",
-        f"  bandwidth_gbps: {p['pcie']['bandwidth_gbps']}  # GB/s (1e9 bytes/s), pinned host memory (fit)",
-    ]
-    if p["pcie"].get("pageable_bandwidth_gbps") is not None:
-        lines.append(
-            f"  pageable_bandwidth_gbps: {p['pcie']['pageable_bandwidth_gbps']}"
-            "  # informational: pageable copies at expert size"
-        )
-    lines += [
+        *field("pcie", "latency_us", "fixed cost of a host-to-device copy back to back (burst fit)"),
+        *field("pcie", "idle_latency_us", "the same for a copy on an idle link (isolated copies at expert size)"),
+        *field("pcie", "bandwidth_gbps", "GB/s (1e9 bytes/s), pinned host memory (burst fit)"),
+        *field("pcie", "pageable_bandwidth_gbps", "copies from pageable host memory (isolated, at expert size)"),
         "ssd:",
-        f"  latency_us: {p['ssd']['latency_us']}  # O_DIRECT random reads at queue depth 1 (fit)",
-        f"  bandwidth_gbps: {p['ssd']['bandwidth_gbps']}  # same fit; queue depth > 1 in the samples",
-        f"host_ram_bytes: {'null' if p['host_ram_bytes'] is None else p['host_ram_bytes']}"
-        "  # bytes of expert weights host RAM can hold; null = the whole model",
+        *field("ssd", "latency_us", "O_DIRECT random reads at queue depth 1 (fit over blocks >= 1 MiB)"),
+        *field("ssd", "bandwidth_gbps", "same fit; other queue depths in the samples"),
+        *field("", "host_ram_bytes", "bytes of expert weights host RAM can hold; null = the whole model"),
+        *field("", "host_pinned_bytes", "of host_ram_bytes, the most recently used bytes pinned; null = all"),
         "gpu:",
-        f"  expert_fixed_us: {p['gpu']['expert_fixed_us']}  # per expert call at batch 1 (CUDA graph; fit over expert sizes)",
-        f"  memory_bandwidth_gbps: {p['gpu']['memory_bandwidth_gbps']}  # effective GB/s streaming expert weights (same fit)",
-        f"  layer_fixed_us: {p['gpu']['layer_fixed_us']}  # non-expert compute floor per layer (measured layer minus its bytes at that bandwidth)",
-        *([f"  memory_bytes: {p['gpu']['memory_bytes']}  # the GPU's memory, as the driver reports it"]
-          if "memory_bytes" in p["gpu"] else []),
+        *field("gpu", "expert_fixed_us", "per expert call at batch 1 (CUDA graph; fit over expert sizes)"),
+        *field("gpu", "memory_bandwidth_gbps", "effective GB/s streaming expert weights (same fit)"),
+        *field("gpu", "layer_fixed_us",
+               "non-expert compute floor per layer (measured layer minus its bytes at that bandwidth)"),
+        *field("gpu", "memory_bytes", "the GPU's memory, as the driver reports it"),
+        *field("gpu", "token_fixed_us", "per token: a synchronised token's time beyond its layers"),
+        *field("gpu", "step_fixed_us", "per step: the layer sequence's time beyond its parts"),
         "cpu:",
-        f"  expert_fixed_us: {p['cpu']['expert_fixed_us']}  # per expert call on the host CPU at batch 1 (fit)",
-        f"  memory_bandwidth_gbps: {p['cpu']['memory_bandwidth_gbps']}  # effective GB/s the CPU streams expert weights at (fit)",
+        *field("cpu", "expert_fixed_us", "per expert call on the host CPU at batch 1 (fit)"),
+        *field("cpu", "memory_bandwidth_gbps", "effective GB/s the CPU streams expert weights at (fit)"),
     ]
     if p["compute"]:
         lines.append("compute:  # measured per model; wins over the fits above")
@@ -271,438 +266,6 @@ def render_profile_yaml(profile: dict, header: Sequence[str] = ()) -> str:
     if p.get("samples"):
         lines.append(f"samples: {_q(p['samples'])}  # raw samples and fits, beside this file")
     return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- kernels (shared with moe-replay)
-
-
-def import_torch():
-    try:
-        import torch
-    except ImportError as e:
-        raise InputError("PyTorch is not installed; moe-calibrate and moe-replay need it") from e
-    return torch
-
-
-def resolve_device(name: str):
-    """``cuda`` (the default) needs a CUDA GPU; ``cpu`` is the tiny test path."""
-    torch = import_torch()
-    if name == "cpu":
-        return torch.device("cpu")
-    if not name.startswith("cuda"):
-        raise InputError(f"--device {name}: choose cuda or cpu")
-    if not torch.cuda.is_available():
-        raise InputError(
-            "no CUDA GPU found (torch.cuda.is_available() is False); run on a GPU host, or pass "
-            "--device cpu for a small CPU-only test run"
-        )
-    return torch.device(name)
-
-
-def expert_views(flat, hidden: int, intermediate: int):
-    """(gate_up [2I, H], down [H, I]) views of one expert stored as one contiguous buffer."""
-    n_gu = 2 * intermediate * hidden
-    gate_up = flat[:n_gu].view(2 * intermediate, hidden)
-    down = flat[n_gu : n_gu + hidden * intermediate].view(hidden, intermediate)
-    return gate_up, down
-
-
-class ExpertKernel:
-    """One routed SwiGLU expert at batch 1: ``y += gate * down(silu(x W_g) * (x W_u))``.
-
-    Static input/output buffers (``x``, ``y``, ``gate``) are shared by all experts run through one
-    kernel object, so a CUDA graph captured per weight buffer replays without copies.
-    """
-
-    def __init__(self, hidden: int, intermediate: int, device, dtype):
-        torch = import_torch()
-        self.hidden, self.intermediate = hidden, intermediate
-        self.device, self.dtype = device, dtype
-        self.x = torch.randn(1, hidden, device=device, dtype=dtype)
-        self.y = torch.zeros(1, hidden, device=device, dtype=dtype)
-        self.gate = torch.full((1,), 0.1, device=device, dtype=dtype)
-        self._gu = torch.empty(1, 2 * intermediate, device=device, dtype=dtype)
-        self._act = torch.empty(1, intermediate, device=device, dtype=dtype)
-        self._h = torch.empty(1, intermediate, device=device, dtype=dtype)
-        self._o = torch.empty(1, hidden, device=device, dtype=dtype)
-
-    def run(self, flat) -> None:
-        """Run the expert whose weights are the flat buffer ``flat`` (3*H*I elements)."""
-        torch = import_torch()
-        gate_up, down = expert_views(flat, self.hidden, self.intermediate)
-        i = self.intermediate
-        torch.mm(self.x, gate_up.t(), out=self._gu)
-        torch.ops.aten.silu.out(self._gu[:, :i], out=self._act)
-        torch.mul(self._act, self._gu[:, i:], out=self._h)
-        torch.mm(self._h, down.t(), out=self._o)
-        self.y.addcmul_(self._o, self.gate)
-
-
-def random_weights(n: int, numel: int, device, dtype, scale: float = 0.02):
-    """n flat weight buffers of numel elements each (random: never time on zeros)."""
-    torch = import_torch()
-    return [torch.randn(numel, device=device, dtype=dtype) * scale for _ in range(n)]
-
-
-def check_expert_kernel(hidden: int, intermediate: int, device, dtype, graph: bool = False) -> float:
-    """Relative error of ExpertKernel (eager, or replayed as a CUDA graph) against float64."""
-    torch = import_torch()
-    k = ExpertKernel(hidden, intermediate, device, dtype)
-    (w,) = random_weights(1, 3 * hidden * intermediate, device, dtype, scale=0.05)
-    k.gate.fill_(1.0)
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            k.run(w)
-        torch.cuda.synchronize()
-        g = capture_graph(lambda: k.run(w), stream)
-        k.x.copy_(torch.randn_like(k.x))  # fresh input after capture: the graph must read it
-        k.y.fill_(float("nan"))  # poison, then clear: every element must be written
-        k.y.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-    else:
-        k.y.zero_()
-        k.run(w)
-    gu, down = (t.double().cpu() for t in expert_views(w, hidden, intermediate))
-    x = k.x.double().cpu()
-    g = x @ gu.t()
-    ref = (torch.nn.functional.silu(g[:, :intermediate]) * g[:, intermediate:]) @ down.t()
-    return float((k.y.double().cpu() - ref).norm() / ref.norm())
-
-
-@functools.cache
-def _triton_kernels():
-    """The batched expert kernels (Triton), compiled on first use; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def gate_up_kernel(slots, x, idx, count, counter, hbuf, numel, stride_idx,
-                       H: tl.constexpr, INTER: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
-        # program (j, block): rows of expert j's gate and up projections, then SwiGLU
-        j = tl.program_id(0)
-        step = tl.load(counter)
-        n = tl.load(count + step)
-        if j < n:
-            slot = tl.load(idx + step * stride_idx + j).to(tl.int64)
-            base = slots + slot * numel
-            rows = tl.program_id(1) * BI + tl.arange(0, BI)
-            acc_g = tl.zeros([BI], dtype=tl.float32)
-            acc_u = tl.zeros([BI], dtype=tl.float32)
-            for h0 in range(0, H, BH):
-                cols = h0 + tl.arange(0, BH)
-                xv = tl.load(x + cols).to(tl.float32)
-                wg = tl.load(base + rows[:, None] * H + cols[None, :]).to(tl.float32)
-                wu = tl.load(base + (rows[:, None] + INTER) * H + cols[None, :]).to(tl.float32)
-                acc_g += tl.sum(wg * xv[None, :], axis=1)
-                acc_u += tl.sum(wu * xv[None, :], axis=1)
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(hbuf + j * INTER + rows, act)
-
-    @triton.jit
-    def down_kernel(slots, hbuf, gates, idx, count, counter, y, numel, stride_idx,
-                    H: tl.constexpr, INTER: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
-        # program (block, j): output rows of expert j's down projection, added into y
-        j = tl.program_id(1)
-        step = tl.load(counter)
-        n = tl.load(count + step)
-        if j < n:
-            slot = tl.load(idx + step * stride_idx + j).to(tl.int64)
-            base = slots + slot * numel + 2 * INTER * H
-            rows = tl.program_id(0) * BO + tl.arange(0, BO)
-            acc = tl.zeros([BO], dtype=tl.float32)
-            for i0 in range(0, INTER, BI):
-                cols = i0 + tl.arange(0, BI)
-                hv = tl.load(hbuf + j * INTER + cols)
-                w = tl.load(base + rows[:, None] * INTER + cols[None, :]).to(tl.float32)
-                acc += tl.sum(w * hv[None, :], axis=1)
-            tl.atomic_add(y + rows, acc * tl.load(gates + j))
-
-    return gate_up_kernel, down_kernel
-
-
-def batched_available() -> bool:
-    return _triton_kernels() is not None
-
-
-class BatchedExperts:
-    """All routed experts of one step in two kernel launches, reading slot ids from the device.
-
-    ``slots``: [S, 3*H*INTER] expert weights (the layout of :func:`expert_views`). The ids of step
-    ``counter`` are ``idx[counter, :count[counter]]``; :meth:`run` computes
-    ``y += sum_j gate_j * expert_{idx_j}(x)`` and advances ``counter``, so one CUDA graph of it
-    serves every step (a real engine's grouped expert kernel does the same work).
-    ``y`` is float32 [1, H]; ``x`` is [1, H] in the weights' dtype.
-    """
-
-    BI, BH, BO, BI_DOWN = 16, 256, 32, 128
-
-    def __init__(self, slots, hidden: int, intermediate: int, max_n: int, max_steps: int, x, y):
-        torch = import_torch()
-        kernels = _triton_kernels()
-        if kernels is None:
-            raise InputError("--expert-mode batched needs Triton (pip install triton); use graph or eager")
-        self.blocks = dict(BI=min(self.BI, intermediate), BH=min(self.BH, hidden),
-                           BO=min(self.BO, hidden), BI_DOWN=min(self.BI_DOWN, intermediate))
-        for b in self.blocks.values():
-            if b & (b - 1) or (hidden % b and intermediate % b):
-                raise InputError(f"batched experts need power-of-two hidden and intermediate sizes, got "
-                                 f"{hidden}x{intermediate}")
-        dev = slots.device
-        self.kernels, self.slots, self.x, self.y = kernels, slots, x, y
-        self.hidden, self.intermediate, self.max_n = hidden, intermediate, max_n
-        self.idx = torch.zeros((max_steps, max_n), dtype=torch.int32, device=dev)
-        self.count = torch.zeros(max_steps, dtype=torch.int32, device=dev)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.gates = torch.full((max_n,), 1.0 / max_n, dtype=torch.float32, device=dev)
-        self.hbuf = torch.empty((max_n, intermediate), dtype=torch.float32, device=dev)
-
-    def load(self, idx, count, gates=None) -> None:
-        """Step rows: idx int[steps, <= max_n] slot ids, count int[steps]; resets the counter."""
-        torch = import_torch()
-        idx = torch.as_tensor(idx, dtype=torch.int32)
-        self.idx.zero_()
-        self.idx[: idx.shape[0], : idx.shape[1]].copy_(idx)
-        self.count.zero_()
-        self.count[: len(count)].copy_(torch.as_tensor(count, dtype=torch.int32))
-        if gates is not None:
-            self.gates.copy_(torch.as_tensor(gates, dtype=torch.float32))
-        self.counter.zero_()
-
-    def run(self) -> None:
-        gate_up, down = self.kernels
-        H, INTER = self.hidden, self.intermediate
-        numel, stride = self.slots.shape[1], self.idx.shape[1]
-        b = self.blocks
-        gate_up[(self.max_n, INTER // b["BI"])](
-            self.slots, self.x, self.idx, self.count, self.counter, self.hbuf, numel, stride,
-            H=H, INTER=INTER, BI=b["BI"], BH=b["BH"])
-        down[(H // b["BO"], self.max_n)](
-            self.slots, self.hbuf, self.gates, self.idx, self.count, self.counter, self.y, numel, stride,
-            H=H, INTER=INTER, BO=b["BO"], BI=b["BI_DOWN"])
-        self.counter.add_(1)
-
-
-def check_batched_experts(hidden: int, intermediate: int, n: int, device, dtype) -> float:
-    """Relative error of BatchedExperts against float64 on random slots, inputs and gates."""
-    torch = import_torch()
-    numel = 3 * hidden * intermediate
-    slots = torch.randn((2 * n + 1, numel), device=device, dtype=dtype) * 0.05
-    x = torch.randn(1, hidden, device=device, dtype=dtype)
-    y = torch.zeros((1, hidden), device=device, dtype=torch.float32)
-    b = BatchedExperts(slots, hidden, intermediate, n, 1, x, y)
-    ids = torch.randperm(slots.shape[0])[:n]
-    gates = torch.rand(n)
-    b.load(ids[None, :], [n], gates)
-    b.run()
-    ref = torch.zeros(1, hidden, dtype=torch.float64)
-    xd = x.double().cpu()
-    for j, s in enumerate(ids.tolist()):
-        gu, down = (t.double().cpu() for t in expert_views(slots[s], hidden, intermediate))
-        g = xd @ gu.t()
-        ref += gates[j].double() * ((torch.nn.functional.silu(g[:, :intermediate]) * g[:, intermediate:]) @ down.t())
-    return float((y.double().cpu() - ref).norm() / ref.norm())
-
-
-class NonExpertLayer:
-    """The non-routed part of one decoder layer at batch 1 (decode), for timing.
-
-    Full (optionally gated) attention over a KV cache of ``ctx`` tokens, or a Gated DeltaNet
-    (linear attention) recurrent step; then the router (linear + softmax + top-k) and the shared
-    SwiGLU expert. Reads ``hidden_state``, writes ``expert_input`` (the routed experts' input).
-    Shapes follow the model; weights are random. Rotary embeddings are left out (elementwise).
-    It first adds the previous layer's routed-expert output to the residual stream and clears it.
-    """
-
-    def __init__(self, dims: ModelDims, full_attention: bool, device, dtype, ctx: int = 1024,
-                 expert_input=None, expert_output=None):
-        torch = import_torch()
-        self.dims, self.full = dims, full_attention
-        H = dims.hidden
-
-        def w(*shape):
-            return torch.randn(*shape, device=device, dtype=dtype) * 0.02
-
-        self.hidden_state = torch.randn(1, H, device=device, dtype=dtype)
-        # the routed experts read expert_input and accumulate into expert_output (ExpertKernel.x, .y)
-        self.expert_input = torch.empty(1, H, device=device, dtype=dtype) if expert_input is None else expert_input
-        self.expert_output = torch.zeros(1, H, device=device, dtype=dtype) if expert_output is None else expert_output
-        self.norm_w = torch.ones(H, device=device, dtype=dtype)
-        if full_attention:
-            q_out = dims.heads * dims.head_dim * (2 if dims.gated_attention else 1)
-            self.w_q = w(q_out, H)
-            self.w_k = w(dims.kv_heads * dims.head_dim, H)
-            self.w_v = w(dims.kv_heads * dims.head_dim, H)
-            self.w_o = w(H, dims.heads * dims.head_dim)
-            self.k_cache = torch.randn(1, dims.kv_heads, ctx, dims.head_dim, device=device, dtype=dtype)
-            self.v_cache = torch.randn(1, dims.kv_heads, ctx, dims.head_dim, device=device, dtype=dtype)
-            self.pos = torch.tensor([ctx - 1], device=device)
-        else:
-            nk, nv, d = dims.linear_k_heads, dims.linear_v_heads, dims.linear_head_dim
-            self.conv_dim = 2 * nk * d + nv * d
-            self.w_qkvz = w(2 * nk * d + 2 * nv * d, H)
-            self.w_ba = w(2 * nv, H)
-            self.conv_w = w(self.conv_dim, dims.conv_kernel)
-            self.conv_state = torch.randn(self.conv_dim, dims.conv_kernel, device=device, dtype=dtype)
-            self.a_log = torch.zeros(nv, device=device, dtype=torch.float32)
-            self.dt_bias = torch.zeros(nv, device=device, dtype=torch.float32)
-            self.state = torch.zeros(nv, d, d, device=device, dtype=torch.float32)
-            self.w_out = w(H, nv * d)
-        self.w_router = w(dims.num_experts, H)
-        if dims.shared_intermediate:
-            self.w_shared_gu = w(2 * dims.shared_intermediate, H)
-            self.w_shared_down = w(H, dims.shared_intermediate)
-            self.w_shared_gate = w(1, H)
-
-    @staticmethod
-    def _rms(x, weight=None, eps: float = 1e-6):
-        torch = import_torch()
-        y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
-        return y * weight if weight is not None else y
-
-    def _attention(self, x):
-        torch = import_torch()
-        F = torch.nn.functional
-        d = self.dims
-        q = x @ self.w_q.t()
-        gate = None
-        if d.gated_attention:
-            q, gate = q.view(d.heads, 2 * d.head_dim).split(d.head_dim, dim=-1)
-        q = self._rms(q.reshape(1, d.heads, 1, d.head_dim))
-        k = self._rms((x @ self.w_k.t()).view(1, d.kv_heads, 1, d.head_dim))
-        v = (x @ self.w_v.t()).view(1, d.kv_heads, 1, d.head_dim)
-        self.k_cache.index_copy_(2, self.pos, k)
-        self.v_cache.index_copy_(2, self.pos, v)
-        o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, enable_gqa=True)
-        o = o.reshape(d.heads, d.head_dim)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return o.reshape(1, -1) @ self.w_o.t()
-
-    def _linear_attention(self, x):
-        torch = import_torch()
-        F = torch.nn.functional
-        d = self.dims
-        nk, nv, hd = d.linear_k_heads, d.linear_v_heads, d.linear_head_dim
-        qkvz = (x @ self.w_qkvz.t()).view(-1)
-        mixed, z = qkvz[: self.conv_dim], qkvz[self.conv_dim :]
-        b, a = (x @ self.w_ba.t()).view(-1).float().chunk(2)
-        # causal depthwise conv, one new column
-        self.conv_state.copy_(torch.roll(self.conv_state, -1, dims=1))
-        self.conv_state[:, -1] = mixed
-        mixed = F.silu((self.conv_state * self.conv_w).sum(-1))
-        q, k, v = mixed.float().split([nk * hd, nk * hd, nv * hd])
-        q = F.normalize(q.view(nk, hd), dim=-1).repeat_interleave(nv // nk, 0) * hd**-0.5
-        k = F.normalize(k.view(nk, hd), dim=-1).repeat_interleave(nv // nk, 0)
-        v = v.view(nv, hd)
-        beta = torch.sigmoid(b)
-        decay = torch.exp(-torch.exp(self.a_log) * F.softplus(a + self.dt_bias))
-        self.state.mul_(decay.view(nv, 1, 1))
-        kv_mem = torch.einsum("hk,hkv->hv", k, self.state)
-        delta = (v - kv_mem) * beta.view(nv, 1)
-        self.state.add_(k.unsqueeze(-1) * delta.unsqueeze(1))
-        o = torch.einsum("hk,hkv->hv", q, self.state)
-        o = self._rms(o).to(x.dtype) * F.silu(z.view(nv, hd))
-        return o.reshape(1, -1) @ self.w_out.t()
-
-    def run(self) -> None:
-        torch = import_torch()
-        F = torch.nn.functional
-        d = self.dims
-        h = self.hidden_state + self.expert_output.to(self.hidden_state.dtype)  # previous layer's experts
-        self.expert_output.zero_()
-        x = self._rms(h, self.norm_w)
-        h = h + (self._attention(x) if self.full else self._linear_attention(x))
-        x = self._rms(h, self.norm_w)
-        probs = torch.softmax((x @ self.w_router.t()).float(), dim=-1)
-        torch.topk(probs, d.top_k, dim=-1)
-        if d.shared_intermediate:
-            gu = x @ self.w_shared_gu.t()
-            g, u = gu.chunk(2, dim=-1)
-            s = (F.silu(g) * u) @ self.w_shared_down.t()
-            h = h + torch.sigmoid(x @ self.w_shared_gate.t()) * s
-        self.expert_input.copy_(x)
-        # keep the residual stream bounded over many steps
-        self.hidden_state.copy_(self._rms(h))
-
-
-def capture_graph(fn: Callable[[], None], stream, pool=None):
-    """A CUDA graph of ``fn`` captured on ``stream`` (no gc.collect per capture, unlike
-    ``torch.cuda.graph``, which makes thousands of captures slow)."""
-    torch = import_torch()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        g.capture_begin(pool=pool)
-        try:
-            fn()
-        finally:
-            g.capture_end()
-    return g
-
-
-# --------------------------------------------------------------------------- timing helpers
-
-
-class Timer:
-    """Device-side elapsed time: CUDA events on a GPU, the wall clock on the CPU."""
-
-    def __init__(self, device):
-        self.torch = import_torch()
-        self.cuda = device.type == "cuda"
-
-    def time_us(self, fn: Callable[[], None], n: int = 1) -> float:
-        """Microseconds per call of fn, over n back-to-back calls (synchronised around them)."""
-        torch = self.torch
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) * 1e3 / n
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) * 1e6 / n
-
-    def gpu_only_us(self, fn: Callable[[], None], n: int, lead_ms: float = 30.0) -> tuple[float, float]:
-        """(device us per call, host issue us per call) of n back-to-back calls of fn.
-
-        On a GPU a spin kernel of ``lead_ms`` runs first, so every call is queued before the
-        first one starts: the device time excludes the host's launch cost (what a busy engine
-        sees). On the CPU both numbers are the wall clock.
-        """
-        torch = self.torch
-        if not self.cuda:
-            t = self.time_us(fn, n)
-            return t, t
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(lead_ms * 1e-3 * 2.0e9))  # cycles at ~2 GHz; idle clocks only lengthen it
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        issue = (time.perf_counter() - t0) * 1e6 / n
-        end.record()
-        end.synchronize()
-        gpu = start.elapsed_time(end) * 1e3 / n
-        if issue * n > lead_ms * 1e3 * 0.9:
-            log(f"warning: issuing {n} calls took {issue * n / 1e3:.1f} ms, longer than the {lead_ms} ms lead")
-        return gpu, issue
-
-    def wall_us(self, fn: Callable[[], None]) -> float:
-        """Wall-clock microseconds of fn including a device synchronisation."""
-        t0 = time.perf_counter()
-        fn()
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e6
 
 
 # --------------------------------------------------------------------------- measurements
@@ -775,109 +338,190 @@ def measure_h2d(device, sizes: Sequence[int], reps: int, streams: int = 4) -> li
     return out
 
 
-def _aligned(n: int) -> mmap.mmap:
-    return mmap.mmap(-1, n)  # anonymous mappings are page-aligned
-
-
-def _direct_flag() -> int:
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        raise InputError("this platform has no O_DIRECT; SSD reads can't bypass the page cache")
-    return flag
-
-
-def make_direct_file(directory: str, size: int) -> str:
-    """A temporary file of ``size`` random bytes that O_DIRECT can read (InputError if not)."""
-    fd, path = tempfile.mkstemp(prefix="moe-calibrate-", suffix=".bin", dir=directory)
-    os.close(fd)
-    chunk = 64 * MIB
-    block = os.urandom(chunk)
-    with open(path, "wb") as f:
-        left = size
-        while left > 0:
-            f.write(block[: min(chunk, left)])
-            left -= chunk
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        fd = os.open(path, os.O_RDONLY | _direct_flag())
-        buf = _aligned(DIRECT_ALIGN)
-        os.preadv(fd, [buf], 0)
-        os.close(fd)
-    except OSError as e:
-        os.unlink(path)
-        raise InputError(f"O_DIRECT reads fail in {directory} ({e.strerror}); pass --ssd-dir on a real disk") from e
-    if hasattr(os, "posix_fadvise"):
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    return path
-
-
-def measure_ssd_reads(path: str, block: int, pattern: str, qd: int, seconds: float, max_reads: int, seed: int = 0) -> dict:
-    """O_DIRECT reads of ``block`` bytes, ``sequential`` or ``random``, with ``qd`` threads.
+def measure_ssd_reads(path: Path, block: int, pattern: str, qd: int, seconds: float, max_reads: int,
+                      pinned: bool = False, seed: int = 0) -> dict:
+    """O_DIRECT reads of ``block`` bytes (a multiple of the page), ``sequential`` or ``random``,
+    by ``qd`` threads (queue depth), each into its own page-aligned (optionally pinned) buffer.
 
     Returns per-read latencies (us) and the aggregate bandwidth (GB/s) over the run.
     """
-    import random
-
-    size = os.path.getsize(path)
-    nblocks = size // block
-    fd = os.open(path, os.O_RDONLY | _direct_flag())
+    bufs = HostBuffers(qd, block, pinned).arrays
     lat: list[float] = []
     lock = threading.Lock()
     counter = [0]
-    rng = random.Random(seed)
-    order = list(range(nblocks))
-    if pattern == "random":
-        rng.shuffle(order)
-    deadline = time.perf_counter() + seconds
+    with DirectFile(path, block) as f:
+        order = list(range(f.blocks))
+        if pattern == "random":
+            random.Random(seed).shuffle(order)
+        deadline = time.perf_counter() + seconds
 
-    def worker() -> None:
-        buf = _aligned(block)
-        mine = []
-        while True:
+        def worker(buf) -> None:
+            mine = []
+            while True:
+                with lock:
+                    i = counter[0]
+                    counter[0] += 1
+                if i >= max_reads or time.perf_counter() > deadline:
+                    break
+                t0 = time.perf_counter()
+                f.read(order[i % len(order)], buf)
+                mine.append((time.perf_counter() - t0) * 1e6)
             with lock:
-                i = counter[0]
-                counter[0] += 1
-            if i >= max_reads or time.perf_counter() > deadline:
-                break
-            off = order[i % nblocks] * block
-            t0 = time.perf_counter()
-            os.preadv(fd, [buf], off)
-            mine.append((time.perf_counter() - t0) * 1e6)
-        with lock:
-            lat.extend(mine)
+                lat.extend(mine)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(qd)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    os.close(fd)
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(bufs[j],)) for j in range(qd)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
     lat.sort()
     keep = lat[:: max(1, len(lat) // 100)]  # about 100 evenly spaced quantiles, not every read
-    return dict(block_bytes=block, pattern=pattern, qd=qd, reads=len(lat), median_us=median(lat),
+    return dict(block_bytes=block, pattern=pattern, qd=qd, pinned=pinned, reads=len(lat), median_us=median(lat),
                 p90_us=lat[int(0.9 * (len(lat) - 1))], gbps=len(lat) * block / wall / 1e9,
                 times_us=[round(t, 2) for t in keep])
 
 
-def measure_ssd(directory: str, file_bytes: int, blocks: Sequence[int], qds: Sequence[int], seconds: float) -> list[dict]:
-    path = make_direct_file(directory, file_bytes)
-    log(f"ssd: {file_bytes / GIB:.2f} GiB test file at {path}")
+def measure_ssd(path: Path, blocks: Sequence[int], expert_blocks: Sequence[int], qds: Sequence[int],
+                seconds: float, pinned: bool) -> list[dict]:
+    """Reads at queue depth 1 of every block size, sequential and random; random reads of the
+    expert-sized blocks at every queue depth of ``qds``."""
+    size = os.path.getsize(path)
+    runs = [(pattern, 1, b) for pattern in ("sequential", "random") for b in blocks]
+    runs += [("random", qd, b) for qd in qds if qd > 1 for b in expert_blocks]
     out = []
-    try:
-        for pattern in ("sequential", "random"):
-            for qd in qds:
-                for block in blocks:
-                    s = measure_ssd_reads(path, block, pattern, qd, seconds, max_reads=max(64, file_bytes // block))
-                    out.append(s)
-                    log(f"ssd {pattern:10s} qd{qd:<3d} {block / KIB:8.0f} KiB: median {s['median_us']:9.1f} us/read, {s['gbps']:.3f} GB/s")
-    finally:
-        os.unlink(path)
+    for pattern, qd, block in runs:
+        s = measure_ssd_reads(path, block, pattern, qd, seconds, max(64, size // block), pinned)
+        out.append(s)
+        log(f"ssd {pattern:10s} qd{qd:<3d} {block / KIB:8.0f} KiB: median {s['median_us']:9.1f} us/read, "
+            f"{s['gbps']:.3f} GB/s")
     return out
+
+
+def measure_read_copy(device, path: Path, expert_bytes: int, n: int, reps: int, seed: int = 0) -> list[dict]:
+    """Read-then-copy pipelines: a reader thread reads n experts back to back (O_DIRECT, random
+    blocks) into their own buffers while the main thread copies each one to the device as soon
+    as its read is done, pinned and (on a GPU) pageable buffers. Wall time from the first read
+    to the last copy's end, and when each read ended (us from the start)."""
+    torch = import_torch()
+    cuda = device.type == "cuda"
+    block = round_up(expert_bytes)
+    dst = torch.empty((n, expert_bytes), dtype=torch.uint8, device=device)
+    rng = random.Random(seed)
+    out = []
+    with DirectFile(path, block) as f:
+        for pinned in (True, False) if cuda else (False,):
+            bufs = HostBuffers(n, block, pinned)
+            views = bufs.arrays
+            stream = torch.cuda.Stream() if cuda else None
+            totals, read_ends = [], []
+            for _ in range(reps):
+                order = [rng.randrange(f.blocks) for _ in range(n)]
+                done = [threading.Event() for _ in range(n)]
+                ends = [0.0] * n
+
+                def reader(order=order, done=done, ends=ends, views=views):
+                    for i, b in enumerate(order):
+                        f.read(b, views[i])
+                        ends[i] = time.perf_counter()
+                        done[i].set()
+
+                if cuda:
+                    torch.cuda.synchronize()
+                thread = threading.Thread(target=reader)
+                t0 = time.perf_counter()
+                thread.start()
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    for i in range(n):
+                        done[i].wait()
+                        dst[i].copy_(bufs[i][:expert_bytes], non_blocking=cuda)
+                if cuda:
+                    stream.synchronize()
+                totals.append((time.perf_counter() - t0) * 1e6)
+                thread.join()
+                read_ends.append([round((e - t0) * 1e6, 1) for e in ends])
+            kind = "pinned" if pinned else "pageable"
+            out.append(dict(kind=kind, bytes=expert_bytes, n=n, total_us=totals, read_end_us=read_ends))
+            log(f"read-then-copy {kind:8s} {n} x {expert_bytes / MIB:.2f} MiB: {median(totals) / 1e3:.2f} ms")
+            del bufs, views
+    return out
+
+
+def read_copy_us(n: int, read_us: float, copy_us: float, idle_latency_us: float, latency_us: float) -> float:
+    """The model's time for a step's n synchronous fetches that all read from the SSD
+    (docs/semantics.md, Link): reads back to back, each copy after its read and the copy
+    before it, paying the idle latency on an idle link and the burst latency back to back."""
+    link_free = -math.inf
+    end = 0.0
+    for i in range(n):
+        ready = (i + 1) * read_us
+        start = max(ready, link_free)
+        end = start + (idle_latency_us if start > link_free else latency_us) + copy_us
+        link_free = end
+    return end
+
+
+def measure_fixed_costs(device, dtype, model: str, dims: ModelDims, reps: int, ctx: int,
+                        copies: Sequence[int] = (1, 3), passes: int = 4, tokens: int = 8) -> dict:
+    """The replay's step sequence timed against its parts (per layer), and its tokens timed as
+    the replay times them (per token).
+
+    A pass runs the model's L layers: the layer's non-expert graph, ``c`` expert-sized copies
+    on the same stream (c = 0 and each of ``copies``), the step's grouped expert launch. With
+    the launch queue filled ahead: the non-expert graphs alone, the expert launches alone and
+    the sequence (us per layer). Then passes one at a time between events on an idle device,
+    synchronised after each, as the replay times a token (us per token).
+    """
+    torch = import_torch()
+    timer = Timer(device)
+    cuda = device.type == "cuda"
+    L, k = dims.num_layers, dims.top_k
+    numel = 3 * dims.hidden * dims.expert_intermediate
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    n_slots = max(4 * k, math.ceil((512 * MIB if cuda else 4 * MIB) / (numel * itemsize)))
+    slots = torch.randn((n_slots, numel), device=device, dtype=dtype) * 0.02
+    mode = "batched" if cuda and batched_available() else ("graph" if cuda else "eager")
+    steps = max(passes, tokens) * L
+    stack = LayerStack(dims, slots, device, dtype, ctx, mode, k, steps)
+    stack.load([torch.randperm(n_slots)[:k].tolist() for _ in range(steps)])
+    expert_bytes = numel * itemsize
+    top = max(copies)
+    src = HostBuffers(top, expert_bytes, pinned=cuda)
+    dst = torch.empty((top, expert_bytes), dtype=torch.uint8, device=device)
+    state = {"step": 0}
+
+    def layers(nonexpert: bool = True, experts: bool = True, c: int = 0):
+        def run():
+            for layer in range(L):
+                if nonexpert:
+                    stack.nonexpert(layer)()
+                for j in range(c):
+                    dst[j].copy_(src[j][:expert_bytes], non_blocking=cuda)
+                if experts:
+                    stack.experts(state["step"])
+                    state["step"] += 1
+        return run
+
+    def per_layer(fn) -> float:
+        stack.rewind()
+        state["step"] = 0
+        return timer.gpu_only_us(fn, passes)[0] / L
+
+    series = {"nonexpert_us": layers(experts=False), "experts_us": layers(nonexpert=False),
+              "sequence_us": layers(), **{f"sequence_{c}_copies_us": layers(c=c) for c in copies}}
+    for fn in series.values():  # warm: cuBLAS, the copy engines, first replays
+        per_layer(fn)
+    res = dict(model=model, layers=L, top_k=k, mode=mode, copy_bytes=expert_bytes, copies=list(copies),
+               **{name: [per_layer(fn) for _ in range(reps)] for name, fn in series.items()})
+    stack.rewind()
+    state["step"] = 0
+    one = layers()
+    res["token_us"] = [timer.time_us(one) for _ in range(tokens)]
+    log(f"fixed costs {model}: per layer non-expert {median(res['nonexpert_us']):.1f} + experts "
+        f"{median(res['experts_us']):.1f} us alone, {median(res['sequence_us']):.1f} us in sequence; per token "
+        f"{median(res['token_us']):.1f} us synchronised ({L} layers)")
+    return res
 
 
 def _rotating_expert(hidden: int, intermediate: int, device, dtype, max_n: int, rotate_bytes: int):
@@ -1109,6 +753,22 @@ def _fit_series(samples: list[dict], **match) -> Fit:
     return fit_or_rate([r["bytes"] for r in rows], [median(r["times_us"]) for r in rows], f"copy fit {match}")
 
 
+def parse_models(text: str) -> list[tuple[str, int | None]]:
+    """``--models``: comma-separated presets, each optionally ``name:k`` for a model that a
+    trace routes at top-k other than its preset's (the step's grouped kernel is timed at k)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, k = part.partition(":")
+        if name not in with_attention_shapes():
+            raise InputError(f"--models: unknown model '{name}'; known: {', '.join(with_attention_shapes())}")
+        if k and not (k.isdigit() and int(k) >= 1):
+            raise InputError(f"--models: '{part}' needs a top-k >= 1 after the colon, e.g. qwen3_30b_a3b:6")
+        out.append((name, int(k) if k else None))
+    if not out:
+        raise InputError("--models is empty; name one or more presets, e.g. qwen3_next_80b_a3b")
+    return out
+
+
 def measure_all(args) -> dict:
     """Run every measurement; return the samples (raw times, host facts, checks)."""
     torch = import_torch()
@@ -1117,16 +777,17 @@ def measure_all(args) -> dict:
     if not isinstance(dtype, torch.dtype):
         raise InputError(f"--dtype {args.dtype}: not a torch dtype (e.g. bfloat16, float16)")
     cpu = device.type == "cpu"
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in with_attention_shapes():
-            raise InputError(f"--models: unknown model '{m}'; known: {', '.join(with_attention_shapes())}")
-    if cpu:  # tiny shapes: the test path exercises the code, not the host
-        dims = {m: tiny_dims(model_dims(m)) for m in models}
+    models = parse_models(args.models)
+    qds = _parse_ints(args.ssd_qds, "--ssd-qds")
+    dims = {}
+    for m, k in models:
+        d = model_dims(m)
+        d = tiny_dims(d) if cpu else d  # tiny shapes: the test path exercises the code, not the host
+        dims[m] = dataclasses.replace(d, top_k=k) if k else d
+    if cpu:
         expert_shapes = cpu_shapes = [(64, 32), (128, 64), (256, 64)]
         torch.set_num_threads(1)  # threads only contend at these sizes (CPU experts set their own)
     else:
-        dims = {m: model_dims(m) for m in models}
         model_shapes = {(d.hidden, d.expert_intermediate) for d in dims.values()}
         expert_shapes = sorted(model_shapes | set(_parse_shapes(args.expert_shapes)))
         cpu_shapes = sorted(model_shapes | set(_parse_shapes(args.cpu_expert_shapes)))
@@ -1162,19 +823,23 @@ def measure_all(args) -> dict:
     lo, hi = 64 * KIB, samples["max_copy_bytes"]
     samples["h2d"] = measure_h2d(device, copy_sizes(lo, hi, expert_sizes), args.reps)
 
-    ssd_samples, ssd_note = [], "not measured (--skip-ssd)"
+    samples["ssd"], samples["read_copy"], ssd_note = [], [], "not measured (--skip-ssd)"
     if not args.skip_ssd:
-        blocks = sorted({4 * KIB, 64 * KIB, MIB} | {-(-s // DIRECT_ALIGN) * DIRECT_ALIGN for s in expert_sizes})
-        for directory in dict.fromkeys([args.ssd_dir, os.getcwd()]):
-            try:
-                ssd_samples = measure_ssd(directory, (16 * MIB if cpu else args.ssd_file_mib * MIB), blocks,
-                                          [1, args.ssd_qd], 0.05 if cpu else args.ssd_seconds)
-                ssd_note = f"O_DIRECT reads in {directory}"
-                break
-            except (InputError, OSError) as e:
-                ssd_note = f"not measured ({e})"
-                log(f"ssd: {ssd_note}")
-    samples["ssd"], samples["ssd_note"] = ssd_samples, ssd_note
+        expert_blocks = sorted({round_up(s) for s in expert_sizes})
+        blocks = sorted({4 * KIB, 64 * KIB, MIB, 2 * MIB, 4 * MIB, *expert_blocks})
+        file_bytes = (16 if cpu else args.ssd_file_mib) * MIB
+        seconds = 0.05 if cpu else args.ssd_seconds
+        try:
+            with _expert_file(args.ssd_file, args.ssd_dir, file_bytes) as path:
+                log(f"ssd: {os.path.getsize(path) / GIB:.2f} GiB expert file at {path}")
+                samples["ssd"] = measure_ssd(path, blocks, expert_blocks, qds, seconds, pinned=not cpu)
+                samples["read_copy"] = [r for b in expert_sizes
+                                        for r in measure_read_copy(device, path, b, args.read_copy_experts, 3)]
+                ssd_note = f"O_DIRECT reads of {path}"
+        except (InputError, OSError) as e:
+            ssd_note = f"not measured ({e})"
+            log(f"ssd: {ssd_note}")
+    samples["ssd_note"] = ssd_note
     samples["ssd_fallback"] = [float(v) for v in args.ssd_fallback]
 
     samples["gpu_expert"] = [measure_gpu_expert(device, dtype, h, i, args.reps) for h, i in expert_shapes]
@@ -1183,8 +848,32 @@ def measure_all(args) -> dict:
                               for d in dims.values()]
     samples["nonexpert"] = {m: measure_nonexpert(device, dtype, m, d, args.reps, 64 if cpu else args.ctx)
                             for m, d in dims.items()}
+    samples["fixed"] = {m: measure_fixed_costs(device, dtype, m, d, args.reps, 64 if cpu else args.ctx)
+                        for m, d in dims.items()}
     samples["cpu_expert"] = [measure_cpu_expert(h, i, dtype, threads, max(3, args.reps // 2)) for h, i in cpu_shapes]
     return samples
+
+
+@contextlib.contextmanager
+def _expert_file(path: str | None, directory: str, size_bytes: int):
+    """The SSD test file: ``path`` (created at ``size_bytes`` if missing, kept), or a temporary
+    file in ``directory`` (or, if O_DIRECT fails there, the working directory), removed after."""
+    if path:
+        yield write_expert_file(Path(path), size_bytes)
+        return
+    error = None
+    for d in dict.fromkeys([directory, os.getcwd()]):
+        try:
+            tmp = temporary_expert_file(d, size_bytes)
+        except (InputError, OSError) as e:
+            error = e
+            continue
+        try:
+            yield tmp
+        finally:
+            tmp.unlink()
+        return
+    raise error
 
 
 EXPERT_SERIES = {  # --expert-mode -> (per-expert series of one expert, non-expert series)
@@ -1195,14 +884,71 @@ EXPERT_SERIES = {  # --expert-mode -> (per-expert series of one expert, non-expe
 }
 
 
+def _ssd_fit(ssd: list[dict], fallback: Sequence[float]) -> Fit:
+    """Random reads at queue depth 1 (the model's SSD serves one read at a time), fitted over
+    the blocks of 1 MiB and more where there are two such sizes (experts are that large; the
+    small blocks only pin a fixed cost that expert reads never see), else over all blocks."""
+    rnd = [s for s in ssd if s["pattern"] == "random" and s["qd"] == 1]
+    if not rnd:
+        return Fit(*fallback, float("nan"))
+    large = [s for s in rnd if s["block_bytes"] >= MIB]
+    rows = large if len({s["block_bytes"] for s in large}) >= 2 else rnd
+    return fit_or_rate([s["block_bytes"] for s in rows], [s["median_us"] for s in rows], "ssd fit")
+
+
+def _idle_latency_us(h2d: list[dict], kind: str, sizes: Sequence[int], fit: Fit) -> float:
+    """A copy's fixed cost on an idle link: isolated copies at the expert sizes minus their
+    bytes at the fit's bandwidth (the model has one bandwidth and two latencies)."""
+    iso = {s["bytes"]: median(s["times_us"]) for s in h2d if s["kind"] == kind and s["mode"] == "isolated"}
+    near = [min(iso, key=lambda b, size=size: abs(b - size)) for size in sizes]
+    return max(0.0, statistics.mean(iso[b] - b / (fit.bandwidth_gbps * 1e3) for b in near))
+
+
+def _read_copy_checks(samples: dict, profile: dict) -> list[dict]:
+    """Each read-then-copy pipeline's measured time against :func:`read_copy_us` with the
+    profile's SSD and copy terms (and against reads and copies one after the other)."""
+    pcie, ssd = profile["pcie"], profile["ssd"]
+    out = []
+    for r in samples.get("read_copy", []):
+        b, n = r["bytes"], r["n"]
+        read = ssd["latency_us"] + b / (ssd["bandwidth_gbps"] * 1e3)
+        gbps = pcie["bandwidth_gbps"] if r["kind"] == "pinned" else pcie["pageable_bandwidth_gbps"]
+        copy = b / (gbps * 1e3)
+        predicted = read_copy_us(n, read, copy, pcie["idle_latency_us"], pcie["latency_us"])
+        measured = median(r["total_us"])
+        out.append(dict(kind=r["kind"], bytes=b, n=n, measured_us=measured, predicted_us=predicted,
+                        serial_us=n * (read + pcie["idle_latency_us"] + copy),
+                        rel_err=(predicted - measured) / measured))
+    return out
+
+
+def _fixed_costs(samples: dict, compute: dict) -> dict:
+    """Per model: the step's hand-over (the sequence per layer minus the profile's non-expert
+    and expert times), the token's synchronisation (a synchronised token minus L sequences),
+    and what c copies in the sequence add beyond the non-expert and expert parts."""
+    out = {}
+    for m, f in samples.get("fixed", {}).items():
+        c = compute[m]
+        seq = median(f["sequence_us"])
+        out[m] = dict(
+            step_fixed_us=seq - (c["nonexpert_layer_us"] + f["top_k"] * c["gpu_expert_us"]),
+            token_fixed_us=median(f["token_us"]) - f["layers"] * seq,
+            parts_us=dict(nonexpert=median(f["nonexpert_us"]), experts=median(f["experts_us"]), sequence=seq),
+            copies_us={str(n): median(f[f"sequence_{n}_copies_us"]) - seq for n in f["copies"]},
+        )
+    return out
+
+
 def profile_from_samples(samples: dict, name: str, samples_file: str | None, expert_mode: str = "batched",
                          copy_fit: str = "burst") -> tuple[dict, dict]:
-    """The profile (and the fits behind it) that a set of samples gives.
+    """The profile (and the fits and checks behind it) that a set of samples gives.
 
     ``expert_mode`` says how the engine being modelled runs experts: ``batched`` (one grouped
     kernel per step; device time, the host's launches hidden), ``graph`` (one CUDA graph per
     expert, device time), ``graph-issue`` (the same, bound by the host's launch rate) or
-    ``eager``. The generic ``gpu`` fit uses the per-expert series of that mode.
+    ``eager``. The generic ``gpu`` fit uses the per-expert series of that mode. Terms whose
+    samples are missing (older samples) are left out of the profile (the engine takes 0, or the
+    back-to-back latency for the idle one).
     """
     if expert_mode not in EXPERT_SERIES:
         raise InputError(f"--expert-mode {expert_mode}: choose one of {', '.join(EXPERT_SERIES)}")
@@ -1212,14 +958,12 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
     fit_burst = _fit_series(h2d, kind=kind, mode="burst")
     h2d_fit = fit_burst if copy_fit == "burst" else fit_iso
     expert_sizes = samples["expert_bytes"]
+    idle_latency = _idle_latency_us(h2d, kind, expert_sizes, h2d_fit)
     pageable = [s for s in h2d if s["kind"] == "pageable" and s["mode"] == "isolated"]
     at_expert = min(pageable, key=lambda s: abs(s["bytes"] - max(expert_sizes)))
-    pageable_gbps = at_expert["bytes"] / median(at_expert["times_us"]) / 1e3
-    if samples["ssd"]:
-        rnd = [s for s in samples["ssd"] if s["pattern"] == "random" and s["qd"] == 1]
-        ssd_fit = fit_or_rate([s["block_bytes"] for s in rnd], [s["median_us"] for s in rnd], "ssd fit")
-    else:
-        ssd_fit = Fit(*samples["ssd_fallback"], float("nan"))
+    # a pageable copy on an idle link costs the idle latency plus its bytes at this bandwidth
+    pageable_gbps = at_expert["bytes"] / max(1e-9, median(at_expert["times_us"]) - idle_latency) / 1e3
+    ssd_fit = _ssd_fit(samples["ssd"], samples["ssd_fallback"])
     experts = samples["gpu_expert"]
     expert_key, nonexpert_key = EXPERT_SERIES[expert_mode]
     if not all(expert_key in e for e in experts):  # a CPU run has no graphs
@@ -1252,37 +996,36 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
             gpu_expert = median(e[expert_key])
         c = next(x for x in cpu_runs if (x["hidden"], x["intermediate"]) == shape)
         compute[m] = dict(gpu_expert_us=gpu_expert, nonexpert_layer_us=ne, cpu_expert_us=median(c["times_us"]))
-    fits = dict(h2d_isolated=asdict(fit_iso), h2d_burst=asdict(fit_burst), h2d_used=copy_fit,
-                ssd_random_qd1=asdict(ssd_fit), gpu_expert=asdict(gpu_fit), gpu_expert_series=expert_key,
-                cpu_expert=asdict(cpu_fit), expert_mode=expert_mode, compute=compute)
+    fixed = _fixed_costs(samples, compute)
     facts = samples["host"]
     cuda = facts.get("pcie") != "n/a"
     method = (
         f"moe-calibrate: host-to-device copies timed with {'CUDA events' if cuda else 'the wall clock'} "
-        f"({copy_fit} fit over 64 KiB-{samples['max_copy_bytes'] // MIB} MiB, {kind}); SSD random QD1 fit, "
-        f"{samples['ssd_note']}; experts {expert_mode} ({expert_key}: "
+        f"({copy_fit} fit over 64 KiB-{samples['max_copy_bytes'] // MIB} MiB, {kind}; idle latency: isolated "
+        f"copies at expert size); SSD random QD1 fit, {samples['ssd_note']}; experts {expert_mode} ({expert_key}: "
         + ("one grouped kernel per step, device time" if expert_mode == "batched" else "per expert call")
         + f", weights rotated past L2); non-expert layer as a CUDA graph ({nonexpert_key}); "
-        f"CPU {facts.get('cpu')} x{samples['cpu_threads']} threads; torch {facts.get('torch')}"
+        + ("token and step fixed costs: the replay's step sequence against its parts; " if fixed else "")
+        + f"CPU {facts.get('cpu')} x{samples['cpu_threads']} threads; torch {facts.get('torch')}"
     )
     host = dict(gpu=facts["gpu"], pcie=facts["pcie"], date=samples["date"], method=method)
     profile = build_profile(
-        name, host=host, h2d=h2d_fit, pageable_gbps=pageable_gbps, ssd=ssd_fit, gpu_expert=gpu_fit,
-        layer_fixed_us=statistics.mean(floors), cpu_expert=cpu_fit, compute=compute, samples_file=samples_file,
-        gpu_memory_bytes=gpu_memory_bytes(facts),
+        name, host=host, h2d=h2d_fit, idle_latency_us=idle_latency, pageable_gbps=pageable_gbps, ssd=ssd_fit,
+        gpu_expert=gpu_fit, layer_fixed_us=statistics.mean(floors), cpu_expert=cpu_fit, compute=compute,
+        samples_file=samples_file, gpu_memory_bytes=gpu_memory_bytes(facts),
+        token_fixed_us=statistics.mean(max(0.0, f["token_fixed_us"]) for f in fixed.values()) if fixed else None,
+        step_fixed_us=statistics.mean(max(0.0, f["step_fixed_us"]) for f in fixed.values()) if fixed else None,
     )
+    pcie = profile["pcie"]
+    for m, f in fixed.items():  # what the model charges for the copies the sequence added
+        per_copy = samples["fixed"][m]["copy_bytes"] / (pcie["bandwidth_gbps"] * 1e3)
+        f["copies_model_us"] = {c: pcie["idle_latency_us"] + (int(c) - 1) * pcie["latency_us"] + int(c) * per_copy
+                                for c in f["copies_us"]}
+    fits = dict(h2d_isolated=asdict(fit_iso), h2d_burst=asdict(fit_burst), h2d_used=copy_fit,
+                h2d_idle_latency_us=idle_latency, ssd_random_qd1=asdict(ssd_fit), gpu_expert=asdict(gpu_fit),
+                gpu_expert_series=expert_key, cpu_expert=asdict(cpu_fit), expert_mode=expert_mode,
+                compute=compute, fixed=fixed, read_copy=_read_copy_checks(samples, profile))
     return profile, fits
-
-
-def tiny_dims(d: ModelDims) -> ModelDims:
-    """Tiny shapes of the same layer structure (CPU test runs)."""
-    return ModelDims(
-        hidden=64, expert_intermediate=32, num_layers=4, num_experts=16, top_k=2,
-        shared_intermediate=32 if d.shared_intermediate else 0, heads=4, kv_heads=2, head_dim=16,
-        full_attention_interval=d.full_attention_interval, linear_k_heads=2 if d.linear_k_heads else 0,
-        linear_v_heads=4 if d.linear_v_heads else 0, linear_head_dim=16 if d.linear_head_dim else 0,
-        gated_attention=d.gated_attention,
-    )
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -1294,6 +1037,16 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
             raise InputError(f"--expert-shapes: '{part}' is not HIDDENxINTERMEDIATE, e.g. 2048x512") from e
         shapes.append((h, i))
     return shapes
+
+
+def _parse_ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise InputError(f"{option} {text!r}: give comma-separated integers >= 1, e.g. 1,2,4,8,16,32")
+    return values
 
 
 def write_profile(profile: dict, samples: dict, out: Path) -> tuple[Path, Path]:
@@ -1316,7 +1069,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     p.add_argument("--device", default="cuda", help="cuda (a GPU host) or cpu (tiny test run)")
     p.add_argument("--dtype", default="bfloat16", help="expert weight dtype (torch name)")
-    p.add_argument("--models", default="qwen3_next_80b_a3b,qwen3_30b_a3b", help="models to time: presets of conf/model/ with an attention block")
+    p.add_argument("--models", default="qwen3_next_80b_a3b,qwen3_30b_a3b",
+                   help="models to time: presets of conf/model/ with an attention block, each as NAME or NAME:K "
+                        "(K: the top-k a trace routes it at, where that differs from the preset's)")
     p.add_argument("--expert-shapes", default="2048x512,2048x768,4096x14336", help="extra HIDDENxINTERMEDIATE expert shapes for the gpu/cpu fits")
     p.add_argument("--cpu-expert-shapes", default="2048x512,4096x1536", help="extra expert shapes for the cpu fit")
     p.add_argument("--expert-mode", choices=tuple(EXPERT_SERIES), default="batched",
@@ -1328,9 +1083,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=1024, help="KV-cache length for full-attention layers")
     p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads for CPU expert compute (0 = all cores)")
     p.add_argument("--ssd-dir", default="/var/tmp", help="directory on the disk to test (a temporary file is written there)")
-    p.add_argument("--ssd-file-mib", type=int, default=2048, help="size of the temporary SSD test file (MiB)")
+    p.add_argument("--ssd-file", default=None,
+                   help="expert file to read instead (used as it is if it exists, else created at --ssd-file-mib; kept: "
+                        "moe-replay reads it too)")
+    p.add_argument("--ssd-file-mib", type=int, default=2048, help="size of the SSD test file (MiB)")
     p.add_argument("--ssd-seconds", type=float, default=0.4, help="seconds per SSD configuration")
-    p.add_argument("--ssd-qd", type=int, default=8, help="the higher queue depth (threads) besides 1")
+    p.add_argument("--ssd-qds", default="1,2,4,8,16,32", help="queue depths (reading threads) of the expert-sized reads")
+    p.add_argument("--read-copy-experts", type=int, default=16, help="experts per read-then-copy pipeline")
     p.add_argument("--skip-ssd", action="store_true", help="don't measure the disk; use --ssd-fallback")
     p.add_argument("--ssd-fallback", nargs=2, default=(37.0, 2.3), metavar=("LATENCY_US", "GBPS"), help="ssd values with --skip-ssd")
     return p

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU-host validation of the timing model (docs/VALIDATION.md), in two halves:
+#
+#   simulator/gpu/validate.sh plans   anywhere the project is installed (moe-replay plan needs
+#                                     Hydra): the traces, then the plans, in runs/validation/
+#   OUT=DIR simulator/gpu/validate.sh on the GPU host: calibrate, then every replay run; every
+#                                     result file lands under $OUT, a summary table last
+#
+# The plans (runs/validation/plans/, ignored by git, about 8 MB) are what travels to the GPU
+# host: carry that folder with the working tree. They are made with the committed profile
+# (conf/hardware/h200_measured.yaml); the GPU host needs only python3 with torch (+ Triton),
+# numpy, pyarrow and pyyaml. Then, back here, with the results copied into docs/validation/:
+#
+#   moe-replay compare docs/validation/qwen3_next.json docs/validation/qwen3_30b.json \
+#       docs/validation/ssd.json --profile conf/hardware/h200_measured.yaml --out docs/VALIDATION.md
+#
+# Stages on the H200 host (estimates from the last run's logs, each capped by a timeout so that
+# a stuck stage leaves time to the others; all of it under 9 minutes): calibrate about 2 min
+# (writing the 4 GiB expert file included), Qwen3-Next replay about 2 min (15 runs of 256
+# tokens, 24 GiB of pinned host experts), Qwen3-30B replay about 1 min (15 runs of 128
+# tokens), SSD path about 1.5 min (6 runs of 128 tokens, SSD-bound at 50-150 ms per token).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+PLANS=${PLANS:-runs/validation/plans}
+TRACES=${TRACES:-runs/validation}
+NEXT_TRACE=$TRACES/qwen3_next_synth_320.parquet
+Q30_TRACE=$TRACES/qwen3_30b_a3b.route.parquet
+PROFILE=conf/hardware/h200_measured.yaml
+
+plans() {
+    local bin=${BIN:-.venv/bin}
+    mkdir -p "$TRACES" "$PLANS"
+    # (b) the Qwen3-Next shape: a synthetic trace, regenerated deterministically
+    "$bin/moe-trace" synth "$NEXT_TRACE" --tokens 320 --layers 48 --experts 512 --top-k 10 --seed 0 \
+        --prompt-share 0 --seq-tokens 100000 --model qwen3_next_80b_a3b --force
+    # (a) the public Qwen3-30B-A3B route trace at its real dims (48 x 128, top-6 as recorded)
+    "$bin/moe-trace" import route-csv ../shared/traces/qwen3-30b-a3b.route.csv "$Q30_TRACE" --force
+    "$bin/moe-replay" plan --trace "$NEXT_TRACE" --profile "$PROFILE" --model qwen3_next_80b_a3b \
+        --override cache.init=frequency --override cache.warmup_tokens=64 \
+        --label "Qwen3-Next-80B-A3B shape, synthetic trace" --out "$PLANS/qwen3_next.npz"
+    # bf16 experts (the replay's kernels); the warm-up is the recorded prompt, so 128 decode tokens
+    local q30=(--trace "$Q30_TRACE" --profile "$PROFILE" --model qwen3_30b_a3b --override model.sizes_only=true
+               --override cache.init=frequency --override cache.warmup_tokens=28)
+    "$bin/moe-replay" plan "${q30[@]}" --label "Qwen3-30B-A3B, public route trace (real routing)" \
+        --out "$PLANS/qwen3_30b.npz"
+    "$bin/moe-replay" plan "${q30[@]}" --policies rule015,speed_first --fractions 0.25 --host-ram 2,4,8 \
+        --pinned-share 0.5 --label "Qwen3-30B-A3B, public route trace, host RAM limited" --out "$PLANS/ssd.npz"
+    ls -l "$PLANS"
+}
+
+gpu() {
+    : "${OUT:?set OUT to the folder for the result files}"
+    # DEVICE=cpu: the same stages at tiny shapes (a test of this script, not of a host)
+    local py=${PY:-python3} dev=${DEVICE:-cuda} ssd_file=${SSD_FILE:-/var/tmp/moe-experts.bin} log=$OUT/validate.log
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    mkdir -p "$OUT"
+    local failed=0
+    stage() {  # stage NAME SECONDS COMMAND...: logged, timed, capped; a failed stage leaves the rest
+        local name=$1 limit=$2 t0=$SECONDS
+        shift 2
+        echo "== $name (at most $limit s)" >>"$log"
+        if timeout "$limit" "$@" >>"$log" 2>&1; then
+            echo "== $name: done in $((SECONDS - t0)) s" >>"$log"
+        else
+            echo "== $name: FAILED (exit $?) after $((SECONDS - t0)) s" >>"$log"
+            failed=$((failed + 1))
+        fi
+    }
+    stage calibrate 150 "$py" -m simulator.gpu.calibrate --device "$dev" --out "$OUT/h200_measured.yaml" \
+        --models qwen3_next_80b_a3b,qwen3_30b_a3b:6 --ssd-file "$ssd_file" --ssd-file-mib 4096
+    for plan in qwen3_next:170 qwen3_30b:90 ssd:130; do
+        stage "replay ${plan%%:*}" "${plan##*:}" "$py" -m simulator.gpu.replay run --device "$dev" \
+            --plan "$PLANS/${plan%%:*}.npz" --out "$OUT/${plan%%:*}" --ssd-file "$ssd_file" --ssd-file-mib 4096
+    done
+    rm -f "$ssd_file"
+    grep '^== ' "$log"
+    shopt -s nullglob
+    local results=("$OUT"/*/replay.json)
+    if ((${#results[@]})); then
+        "$py" -m simulator.gpu.replay summary "${results[@]}" | tee "$OUT/summary.txt"
+    fi
+    return $((failed > 0))
+}
+
+case "${1:-gpu}" in
+    plans) plans ;;
+    gpu) gpu ;;
+    *) echo "usage: $0 [plans|gpu]" >&2; exit 2 ;;
+esac
