@@ -127,6 +127,7 @@ def legacy_copy(path: Path, out: Path) -> Path:
 def test_an_edited_cached_array_with_its_mtime_restored_is_rebuilt_with_one_warning(trace_file, tmp_path,
                                                                                    capfd):
     first = built(trace_file, tmp_path / "c")
+    capfd.readouterr()  # the first build announces its copy
     gates = first.directory / "gates.npy"
     st = gates.stat()
     data = bytearray(gates.read_bytes())
@@ -144,6 +145,7 @@ def test_an_edited_cached_array_with_its_mtime_restored_is_rebuilt_with_one_warn
 @pytest.mark.parametrize("damage", ["truncated array", "garbage manifest", "old layout", "missing array"])
 def test_a_damaged_or_stale_copy_is_rebuilt_with_one_warning(trace_file, tmp_path, capfd, damage):
     first = built(trace_file, tmp_path / "c")
+    capfd.readouterr()  # the first build announces its copy
     manifest = first.directory / "manifest.json"
     if damage == "truncated array":
         experts = first.directory / "experts.npy"
@@ -163,6 +165,7 @@ def test_a_damaged_or_stale_copy_is_rebuilt_with_one_warning(trace_file, tmp_pat
 
 def test_a_copied_cache_is_checked_once_then_trusted(trace_file, tmp_path, capfd, monkeypatch):
     first = built(trace_file, tmp_path / "c")
+    capfd.readouterr()  # the first build announces its copy
     shutil.copytree(tmp_path / "c", tmp_path / "copy")  # new inodes: every identity differs
     checked = []
     crc32 = trace_cache._crc32

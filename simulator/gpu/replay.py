@@ -152,10 +152,10 @@ def _tier_probe(rec):
                                                     x in link.pageable)))
         return needs_read, is_pageable
 
-    def sync_fetches(link, t1, xs):
+    def sync_fetches(link, t1, xs, *rest):
         rec.sync_left = len(xs)
         try:
-            return sync(link, t1, xs)
+            return sync(link, t1, xs, *rest)
         finally:
             rec.sync_left = 0
 

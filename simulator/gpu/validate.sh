@@ -46,6 +46,14 @@ plans() {
         --out "$PLANS/qwen3_30b.npz"
     "$bin/moe-replay" plan "${q30[@]}" --policies rule015,speed_first --fractions 0.25 --host-ram 2,4,8 \
         --pinned-share 0.5 --label "Qwen3-30B-A3B, public route trace, host RAM limited" --out "$PLANS/ssd.npz"
+    # (c) prefetch: the second fixture's trace (8 x 512, top-10, look-ahead routing captured) at
+    # Qwen3-Next sizes, prefetching layer l+1's look-ahead top-10 as background copies
+    "$bin/moe-replay" plan --trace traces/samples/fixture2.parquet --profile "$PROFILE" --model qwen3_next_80b_a3b \
+        --override model.sizes_only=true --override trace.max_tokens=320 --override cache.init=frequency \
+        --override cache.warmup_tokens=64 --override prefetch.predictor=lookahead \
+        --policies fetch_all,quality_first,speed_first --fractions 0.1,0.25 \
+        --label "fixture 2 trace (8 x 512, top-10) at Qwen3-Next sizes, prefetch from look-ahead routing" \
+        --out "$PLANS/prefetch.npz"
     ls -l "$PLANS"
 }
 
@@ -69,7 +77,11 @@ gpu() {
     }
     stage calibrate 150 "$py" -m simulator.gpu.calibrate --device "$dev" --out "$OUT/h200_measured.yaml" \
         --models qwen3_next_80b_a3b,qwen3_30b_a3b:6 --ssd-file "$ssd_file" --ssd-file-mib 4096
-    for plan in qwen3_next:170 qwen3_30b:90 ssd:130; do
+    for plan in qwen3_next:160 qwen3_30b:90 ssd:120 prefetch:60; do
+        if [[ ! -f $PLANS/${plan%%:*}.npz ]]; then  # a plans folder made without this plan
+            echo "== replay ${plan%%:*}: skipped (no $PLANS/${plan%%:*}.npz)" >>"$log"
+            continue
+        fi
         stage "replay ${plan%%:*}" "${plan##*:}" "$py" -m simulator.gpu.replay run --device "$dev" \
             --plan "$PLANS/${plan%%:*}.npz" --out "$OUT/${plan%%:*}" --ssd-file "$ssd_file" --ssd-file-mib 4096
     done
