@@ -76,7 +76,9 @@ def summaries(synthetic: Path) -> dict[str, dict]:
     for trace_name, path, extra in traces:
         for name, overrides in cases().items():
             s = simulate_overrides([f"trace.path={path}", *COMMON, *extra, *overrides])
-            found[f"{trace_name} {name}"] = {k: v for k, v in s.items() if k not in WALL_CLOCK}
+            # provenance names the run's inputs (paths, the profile), not its results
+            found[f"{trace_name} {name}"] = {k: v for k, v in s.items()
+                                             if k not in WALL_CLOCK and k != "provenance"}
     return found
 
 
