@@ -7,7 +7,7 @@ DEMO_TRACE ?= traces/samples/fixture.parquet
 DEMO_DIR ?= runs/demo
 POLICIES ?= fetch_all,rule015,first_choice,quality_first,speed_first
 
-.PHONY: env env-capture demo test lint bench paper import-route clean
+.PHONY: env env-capture demo test lint bench paper prefetch import-route clean
 
 # The environment: created once, re-installed when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -46,6 +46,21 @@ paper: env
 	  hydra.sweep.dir=$(PAPER_DIR)/beta
 	$(BIN)/moe-report $(PAPER_DIR)/beta
 	$(BIN)/moe-report $(PAPER_DIR)/strategies --table
+
+# Prefetch against substitution (docs/PREFETCH.md): the second fixture's trace (512 experts,
+# top-10, look-ahead routing) at Qwen3-Next-80B-A3B expert sizes, on the measured H200 and the
+# paper's RTX 3090 host with 16 GB of host RAM and an NVMe SSD; three strategies with and without
+# look-ahead prefetch at 10 / 25 / 50 % resident (36 runs, about half a minute), then the report
+# and the prefetch table and plot (runs/prefetch/report/prefetch.md, prefetch.png).
+PREFETCH_DIR ?= runs/prefetch
+PREFETCH_TRACE ?= traces/samples/fixture2.parquet
+prefetch: env
+	rm -rf $(PREFETCH_DIR)
+	$(BIN)/moe-sim -m trace.path=$(PREFETCH_TRACE) model=qwen3_next_80b_a3b model.sizes_only=true \
+	  hardware=h200_measured,rtx3090_16gb policy=fetch_all,quality_first,speed_first \
+	  prefetch.predictor=none,lookahead cache.fraction=0.1,0.25,0.5 hydra.sweep.dir=$(PREFETCH_DIR)
+	$(BIN)/moe-report $(PREFETCH_DIR)
+	$(PY) -m analysis.prefetch $(PREFETCH_DIR)
 
 test: env
 	$(PY) -m pytest -q
