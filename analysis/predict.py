@@ -172,7 +172,8 @@ def kernel_chunk(chunk: TraceChunk, meta: TraceMeta) -> Chunk:
         phase=kernel_array(chunk.phase, np.int8),
         next_use=np.zeros((0, L, k), np.int32),
         lookahead_ids=(np.zeros((0, L, 0, 0), np.int32) if ahead is None
-                       else kernel_array(ahead, np.int32)))
+                       else kernel_array(ahead, np.int32)),
+        logit_order=np.zeros((0, L, 0), np.int16))
 
 
 def default_train_tokens(num_tokens: int) -> int:

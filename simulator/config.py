@@ -58,7 +58,7 @@ class TraceConfig:
 
 
 @dataclass
-class PolicyConfig:
+class _PolicyFields:
     name: str = opt("fetch_all", "label reported in results")
     protect_ranks: int = opt(0, "r: a miss with rank < r is always fetched")
     tau: float = opt(0.0, "a miss with normalised gate weight >= tau is fetched; inf = never by weight")
@@ -66,6 +66,7 @@ class PolicyConfig:
                            choices=tuple(MISS_ACTIONS))
     substitute_by: str = opt("auto", "which resident runs in place of a miss (auto: logit when the "
                              "trace has logits)", choices=("auto", *SUBSTITUTES))
+
 
 
 @dataclass
@@ -89,6 +90,7 @@ def _with_options(name: str, base: type, *registries) -> type:
     return dataclasses.make_dataclass(name, extra, bases=(base,))
 
 
+PolicyConfig = _with_options("PolicyConfig", _PolicyFields, SUBSTITUTES)
 CacheConfig = _with_options("CacheConfig", _CacheFields, EVICTIONS)
 
 

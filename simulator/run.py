@@ -273,6 +273,7 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         predictor=_choice(prefetch["predictor"], reg["predictor"], "prefetch.predictor"),
         prefetch=_choice(prefetch["policy"], reg["prefetch"], "prefetch.policy"),
         options={**reg["eviction"].options_of(cache["eviction"], cache),
+                 **reg["substitute"].options_of(substitute_by, policy),
                  **(reg["prefetch"].options_of(prefetch["policy"], prefetch)  # predictor none: off
                     if prefetch["predictor"] != "none" else {}),
                  **reg["predictor"].options_of(prefetch["predictor"], prefetch)},
@@ -327,6 +328,12 @@ def ignored_settings(cfg: Mapping, params: SimParams) -> list[str]:
             if value is not None and value != f.default:
                 lines.append(f"'cache.{f.name}={value}' has no effect: it is an option of "
                              f"cache.eviction={name}; this run evicts by {params.eviction}")
+    for f, _ in reg["substitute"].option_fields():
+        value = (cfg.get("policy") or {}).get(f.name)
+        if value is not None and value != f.default and not (substitutes and params.substitute_by == "logit"):
+            lines.append(f"'policy.{f.name}={value}' has no effect: it shapes the search of "
+                         "substitutes by logit, and this run "
+                         + (f"substitutes by {params.substitute_by}" if substitutes else f"never does ({never})"))
     if params.predictor == "none":
         for registry in (reg["prefetch"], reg["predictor"]):
             for f, _ in registry.option_fields():

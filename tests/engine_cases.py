@@ -192,6 +192,7 @@ def random_params(rng: np.random.Generator, meta: TraceMeta, eviction=None, rule
         nonexpert_us=rng.uniform(1.0, 10.0, size=L),
         cpu_expert_us=rng.uniform(1.0, 20.0, size=L),
         seed=int(rng.integers(0, 2**63)),
+        options={"top_r": int(rng.choice([0, 1, 4, 64]))},  # the substitute walk's R
     )
 
 

@@ -2,13 +2,14 @@
 results do not depend on how the trace is cut into chunks."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 from engine_cases import RULES, assert_same, random_params, random_trace, run_both
 
-from simulator.engine import simulate
+from simulator.engine import read_options, simulate
 from simulator.engine.nextuse import NEVER_GROUP, NextUseFile
 from simulator.engine.params import SCOPES
 from simulator.jit import jit
@@ -95,3 +96,50 @@ def test_splitmix64_is_one_generator():
         state, z = compiled(np.uint64(state))
         py_state, py_z = splitmix64(py_state)
         assert (int(state), int(z)) == (py_state, py_z)
+
+
+@pytest.mark.parametrize("top_r", [1, 4, 64])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_top_r_walk_chooses_what_the_exact_scan_chooses(seed, top_r):
+    """Logits rounded so that ties are common; the walk (top_r) against the scan (top_r=0) in
+    the kernel and the reference's search over every resident: identical results."""
+    rng = np.random.default_rng(3 * 10**6 + seed)
+    source = random_trace(rng, logits=True)
+    source.chunk.logits[:] = np.round(source.chunk.logits * 2) / 2
+    for rule in ("rule015", "first_choice", "speed_first"):
+        p = random_params(rng, source.meta, rule=rule)
+        p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute",
+                                options={**p.options, "top_r": top_r})
+        walked = run_both(source, p, chunk_tokens=int(rng.integers(1, 20)))
+        scanned = simulate(source, dataclasses.replace(p, options={**p.options, "top_r": 0}))
+        assert_same(walked, scanned)
+
+
+def test_the_walk_reads_the_order_and_a_policy_without_logit_substitutes_reads_no_logits():
+    rng = np.random.default_rng(5)
+    source = random_trace(rng, logits=True)
+    p = random_params(rng, source.meta, rule="rule015")
+    by_logit = dataclasses.replace(p, substitute_by="logit", miss_action="substitute",
+                                   options={"top_r": 4})
+    assert read_options(by_logit) == {"logits": True, "order_r": 4}
+    assert read_options(dataclasses.replace(by_logit, substitute_by="frequency")) == \
+        {"logits": False, "order_r": 0}
+    assert read_options(dataclasses.replace(by_logit, protect_ranks=0, tau=0.0)) == \
+        {"logits": False, "order_r": 0}  # fetch_all never substitutes
+    assert read_options(dataclasses.replace(by_logit, miss_action="cpu")) == {"logits": False, "order_r": 0}
+
+
+def test_top_r_stored_logits_walk_the_same_through_the_parquet_reader(tmp_path):
+    """A trace that stores top-2 logits (the rest -inf, tied): the walk past the stored R and the
+    scan agree, from Parquet and through the reference."""
+    rng = np.random.default_rng(11)
+    source = random_trace(rng, logits=True)
+    path = tmp_path / "t.parquet"
+    write_trace(path, dataclasses.replace(source.meta, logits_top_r=2), source.chunk)
+    for top_r in (1, 3, 64):
+        p = random_params(rng, source.meta, rule="rule015")
+        p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute", options={"top_r": top_r})
+        with open_trace(path) as reader:
+            assert reader.meta.logits_top_r == 2
+            walked = run_both(reader, p, chunk_tokens=7)
+            assert_same(walked, simulate(reader, dataclasses.replace(p, options={"top_r": 0})))

@@ -23,7 +23,7 @@ from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 
 ENGINES = ("numba", "reference")
 
-__all__ = ["ENGINES", "simulate", "warmup_counts", "check_params", "check_chunk"]
+__all__ = ["ENGINES", "simulate", "warmup_counts", "check_params", "check_chunk", "read_options"]
 
 
 def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
@@ -40,6 +40,15 @@ def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
     from simulator.engine.reference import ReferenceSimulator
 
     return ReferenceSimulator(params, meta, first_use, observer)
+
+
+def read_options(params: SimParams) -> dict:
+    """What the run reads of the trace, as chunk-source options: the router logits only where a
+    miss can be substituted by logit, with their top ``policy.top_r`` order (the walk of
+    substitute/logit.py); neither otherwise, so a policy that never reads logits decodes none."""
+    substitute = chosen(params)["substitute"]  # "frequency" where nothing is substituted
+    reads = bool(registries()["substitute"][substitute].NEEDS_LOGITS)
+    return {"logits": reads, "order_r": int(params.options.get("top_r", 0)) if reads else 0}
 
 
 def needs_next_use(params: SimParams) -> bool:
@@ -79,7 +88,7 @@ def simulate(
             sim.warm(counts)
         tokens_done = 0
         row = 0
-        for chunk in source.iter_chunks(chunk_tokens):
+        for chunk in source.iter_chunks(chunk_tokens, **read_options(params)):
             tokens_done += chunk.num_tokens
             check_chunk(chunk, params)
             chunk = after_group(chunk, last_warmup_group)
@@ -105,7 +114,7 @@ def warmup_counts(source, params: SimParams, chunk_tokens: int | None = None):
         return counts, last_group
     layer_base = (np.arange(L, dtype=np.int64) * E)[None, :, None]
     seen = 0
-    for chunk in source.iter_chunks(chunk_tokens):
+    for chunk in source.iter_chunks(chunk_tokens, logits=False):
         T = chunk.num_tokens
         if T == 0:
             continue

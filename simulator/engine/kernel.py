@@ -66,6 +66,7 @@ class Chunk(NamedTuple):
     phase: np.ndarray  # int8[T]
     next_use: np.ndarray  # int32[T, L, k] next-use group ordinals (belady), or [0, L, k]
     lookahead_ids: np.ndarray  # int32[T, L, D, R] look-ahead routing by logit, or [0, L, 0, 0]
+    logit_order: np.ndarray  # int16[T, L, R] ids of the R highest logits (ties: lower id), or [0, L, 0]
 
 
 class TokenOut(NamedTuple):
@@ -328,6 +329,7 @@ class KernelSimulator:
         self._no_logits = np.zeros((0, L, E), np.float32)
         self._no_next_use = np.zeros((0, L, K), np.int32)
         self._no_lookahead = np.zeros((0, L, 0, 0), np.int32)
+        self._no_order = np.zeros((0, L, 0), np.int16)
         self._tokens: list[dict[str, np.ndarray]] = []
 
     @property
@@ -355,6 +357,8 @@ class KernelSimulator:
             next_use=self._no_next_use if next_use is None else kernel_array(next_use, np.int32),
             lookahead_ids=(self._no_lookahead if chunk.lookahead_ids is None
                            else kernel_array(chunk.lookahead_ids, np.int32)),
+            logit_order=(self._no_order if chunk.logit_order is None or chunk.logit_order.shape[0] != T
+                         else kernel_array(chunk.logit_order, np.int16)),
         )
         self.kernels.run_chunk(ch, self.consts, self.core, self.link, *self.policy_states, out)
         tokens = out._asdict()

@@ -52,10 +52,10 @@ def after_group(chunk: TraceChunk, last_group: int) -> TraceChunk:
 
 
 def _chunks_backwards(source, chunk_tokens):
-    if hasattr(source, "iter_chunks_reversed"):
-        yield from source.iter_chunks_reversed(chunk_tokens)
+    if hasattr(source, "iter_chunks_reversed"):  # next uses read expert ids only
+        yield from source.iter_chunks_reversed(chunk_tokens, logits=False)
     else:  # an in-memory source: its chunks are views, so holding them all is cheap
-        yield from reversed(list(source.iter_chunks(chunk_tokens)))
+        yield from reversed(list(source.iter_chunks(chunk_tokens, logits=False)))
 
 
 class NextUseFile:

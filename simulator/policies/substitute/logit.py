@@ -2,8 +2,16 @@
 
 With top-R logits (``meta.logits_top_r``) the experts outside the R read as ``-inf``, so they
 rank below every expert inside them and tie among themselves (the lower id wins).
+
+The kernel walks the token-layer's ``top_r`` highest logit ids (``chunk.logit_order``, built once
+when the trace is decoded and kept in the trace cache) until it meets an eligible resident, and
+scans the layer's residents only when none of the ``top_r`` is eligible. The order is the full
+ranking's prefix (logit descending, ties by the lower id), so both give the same expert at every
+``top_r``; ``top_r=0`` always scans.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from simulator.jit import jit
 from simulator.policies import NoState, no_state
@@ -12,11 +20,28 @@ from simulator.policies.substitute._rank import best_scored, rank_residents, tak
 NEEDS_LOGITS = True
 
 
+@dataclass(frozen=True)
+class Options:
+    top_r: int = field(default=64, metadata={
+        "help": "substitute_by=logit: walk the R highest logit ids of a token-layer before scanning "
+                "the residents (same choices at every R; 0 = always scan)", "min": 0})
+
+
 State, make_state = NoState, no_state
 
 
 @jit(allocates=False, inline=True)
 def choose(core, st, c, chunk, a, layer, want, stamp, n_cand, next_cand):
+    order = chunk.logit_order
+    if n_cand < 0 and order.shape[0] > 0:  # walking the top R: next_cand is the position
+        base = layer * c.num_experts
+        j = next_cand
+        while j < order.shape[2]:
+            y = base + order[a, layer, j]
+            j += 1
+            if core.resident[y] and core.mark[y] != stamp:
+                return y, n_cand, j
+        n_cand, next_cand = -1, 0  # none of the R is eligible: the exact scan from here on
     if n_cand < 0:
         n_cand = rank_residents(core, layer, chunk.logits[a, layer], want, stamp)
     y, next_cand = take_next(core, n_cand, next_cand)
