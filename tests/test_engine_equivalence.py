@@ -106,7 +106,7 @@ def test_the_top_r_walk_chooses_what_the_exact_scan_chooses(seed, top_r):
     rng = np.random.default_rng(3 * 10**6 + seed)
     source = random_trace(rng, logits=True)
     source.chunk.logits[:] = np.round(source.chunk.logits * 2) / 2
-    for rule in ("rule015", "first_choice", "speed_first"):
+    for rule in ("rule015", "first_choice", "substitute_all"):
         p = random_params(rng, source.meta, rule=rule)
         p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute",
                                 options={**p.options, "top_r": top_r})
@@ -118,6 +118,8 @@ def test_the_top_r_walk_chooses_what_the_exact_scan_chooses(seed, top_r):
 def test_the_walk_reads_the_order_and_a_policy_without_logit_substitutes_reads_no_logits():
     rng = np.random.default_rng(5)
     source = random_trace(rng, logits=True)
+    while source.meta.top_k < 2:  # rule015 fetches rank 0: with k = 1 it never substitutes
+        source = random_trace(rng, logits=True)
     p = random_params(rng, source.meta, rule="rule015")
     by_logit = dataclasses.replace(p, substitute_by="logit", miss_action="substitute",
                                    options={"top_r": 4})
@@ -130,16 +132,19 @@ def test_the_walk_reads_the_order_and_a_policy_without_logit_substitutes_reads_n
 
 
 def test_top_r_stored_logits_walk_the_same_through_the_parquet_reader(tmp_path):
-    """A trace that stores top-2 logits (the rest -inf, tied): the walk past the stored R and the
-    scan agree, from Parquet and through the reference."""
+    """A trace that stores its top-k logits (the rest -inf, tied): the walk past the stored R and
+    the scan agree, from Parquet and through the reference."""
     rng = np.random.default_rng(11)
     source = random_trace(rng, logits=True)
+    while source.meta.num_experts < source.meta.top_k + 2:  # room for ids outside the stored R
+        source = random_trace(rng, logits=True)
+    R = source.meta.top_k  # the fewest a trace may store
     path = tmp_path / "t.parquet"
-    write_trace(path, dataclasses.replace(source.meta, logits_top_r=2), source.chunk)
-    for top_r in (1, 3, 64):
+    write_trace(path, dataclasses.replace(source.meta, logits_top_r=R), source.chunk)
+    for top_r in (1, R + 1, 64):
         p = random_params(rng, source.meta, rule="rule015")
         p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute", options={"top_r": top_r})
         with open_trace(path) as reader:
-            assert reader.meta.logits_top_r == 2
+            assert reader.meta.logits_top_r == R
             walked = run_both(reader, p, chunk_tokens=7)
             assert_same(walked, simulate(reader, dataclasses.replace(p, options={"top_r": 0})))
