@@ -153,9 +153,32 @@ def test_malformed_traces_stop_moe_sim_with_one_line(case, tmp_path):
     make, words = BAD_FILES[case]
     bad = make(good, tmp_path / f"{case}.parquet")
     out = tmp_path / "run"
-    proc = moe_sim(f"trace.path={bad}", "cache.fraction=0.5", f"hydra.run.dir={out}")
+    # rule015 substitutes by logit, so the run reads the logits (a run that reads none decodes none)
+    proc = moe_sim(f"trace.path={bad}", "cache.fraction=0.5", "policy=rule015", f"hydra.run.dir={out}")
     _one_error_line(proc, words[0])
     assert not out.exists()
+
+
+def test_a_run_that_reads_no_logits_is_not_stopped_by_bad_ones_that_verify_finds(tmp_path):
+    """fetch_all never reads logits: NaN logits do not change its result, and moe-trace info
+    --verify, which decodes every column, still refuses the file."""
+    from test_format import BAD_FILES, make_arrays, make_meta
+
+    from traces.format import TraceWriter
+
+    good = tmp_path / "good.parquet"
+    with TraceWriter(good, make_meta()) as writer:
+        writer.write(**make_arrays())
+    make, words = BAD_FILES["logit_nan"]
+    bad = make(good, tmp_path / "bad.parquet")
+    runs = [moe_sim(f"trace.path={t}", "cache.fraction=0.5", "policy=fetch_all", f"hydra.run.dir={tmp_path / t.stem}")
+            for t in (good, bad)]
+    assert [r.returncode for r in runs] == [0, 0]
+    same = [json.loads((tmp_path / t / "summary.json").read_text()) for t in ("good", "bad")]
+    assert same[0]["hit_rate"] == same[1]["hit_rate"] and same[0]["ms_per_token"] == same[1]["ms_per_token"]
+    verify = subprocess.run([sys.executable, "-m", "traces.cli", "info", str(bad), "--verify"],
+                            capture_output=True, text=True)
+    assert verify.returncode == 2 and words[0] in verify.stderr
 
 
 def test_trace_cache_gives_the_same_results(trace, tmp_path, monkeypatch):
