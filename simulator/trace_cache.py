@@ -129,6 +129,8 @@ class CachedTrace:
     :meth:`build`), False when it re-uses one. Construct through :func:`cached_source`.
     """
 
+    keeps_logit_order = True  # an order_r asked for once is kept beside the copy (logit_order_<R>)
+
     def __init__(self, path: Path, directory: Path, manifest: dict | None, max_tokens: int | None):
         self.path, self.directory = path, directory
         self.built = manifest is None

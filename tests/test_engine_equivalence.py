@@ -106,6 +106,7 @@ def test_the_top_r_walk_chooses_what_the_exact_scan_chooses(seed, top_r):
     rng = np.random.default_rng(3 * 10**6 + seed)
     source = random_trace(rng, logits=True)
     source.chunk.logits[:] = np.round(source.chunk.logits * 2) / 2
+    source.keeps_logit_order = True  # walk as from the trace cache (it computes the order per chunk)
     for rule in ("rule015", "first_choice", "substitute_all"):
         p = random_params(rng, source.meta, rule=rule)
         p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute",
@@ -129,6 +130,10 @@ def test_the_walk_reads_the_order_and_a_policy_without_logit_substitutes_reads_n
     assert read_options(dataclasses.replace(by_logit, protect_ranks=0, tau=0.0)) == \
         {"logits": False, "order_r": 0}  # fetch_all never substitutes
     assert read_options(dataclasses.replace(by_logit, miss_action="cpu")) == {"logits": False, "order_r": 0}
+    # the order only from a source that keeps it: a plain pass ranks every logit for nothing
+    assert read_options(by_logit, source) == {"logits": True, "order_r": 0}
+    source.keeps_logit_order = True
+    assert read_options(by_logit, source) == {"logits": True, "order_r": 4}
 
 
 def test_top_r_stored_logits_walk_the_same_through_the_parquet_reader(tmp_path):
@@ -146,5 +151,25 @@ def test_top_r_stored_logits_walk_the_same_through_the_parquet_reader(tmp_path):
         p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute", options={"top_r": top_r})
         with open_trace(path) as reader:
             assert reader.meta.logits_top_r == R
+            reader.keeps_logit_order = True  # walk as from the trace cache
             walked = run_both(reader, p, chunk_tokens=7)
             assert_same(walked, simulate(reader, dataclasses.replace(p, options={"top_r": 0})))
+
+
+def test_runs_from_the_trace_cache_walk_and_give_what_the_parquet_pass_gives(tmp_path):
+    from simulator.trace_cache import cached_source
+
+    rng = np.random.default_rng(12)
+    source = random_trace(rng, logits=True)
+    while source.meta.top_k < 2:
+        source = random_trace(rng, logits=True)
+    path = tmp_path / "t.parquet"
+    write_trace(path, source.meta, source.chunk)
+    p = random_params(rng, source.meta, rule="rule015")
+    p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute", options={"top_r": 2})
+    cached = cached_source(path, tmp_path / "cache")
+    assert read_options(p, cached)["order_r"] == 2
+    with open_trace(path) as reader:
+        assert read_options(p, reader)["order_r"] == 0
+        assert_same(simulate(reader, p), simulate(cached, p))
+    assert any(cached.directory.glob("logit_order_2.npy"))  # kept for the next run

@@ -18,6 +18,11 @@ class LimitedSource:
     def __init__(self, source, max_tokens: int):
         self.source, self.meta, self.max_tokens = source, source.meta, max_tokens
 
+    @property
+    def keeps_logit_order(self) -> bool:
+        """Whether ``order_r`` is served from a kept copy (as the wrapped source's)."""
+        return bool(getattr(self.source, "keeps_logit_order", False))
+
     def _limit(self, chunks: Iterator[TraceChunk]) -> Iterator[TraceChunk]:
         left = self.max_tokens
         for c in chunks:

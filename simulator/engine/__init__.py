@@ -42,13 +42,18 @@ def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
     return ReferenceSimulator(params, meta, first_use, observer)
 
 
-def read_options(params: SimParams) -> dict:
+def read_options(params: SimParams, source=None) -> dict:
     """What the run reads of the trace, as chunk-source options: the router logits only where a
-    miss can be substituted by logit, with their top ``policy.top_r`` order (the walk of
-    substitute/logit.py); neither otherwise, so a policy that never reads logits decodes none."""
+    miss can be substituted by logit, so a policy that never reads logits decodes none; and their
+    top ``policy.top_r`` order (the walk of substitute/logit.py) where ``source`` keeps it
+    (``keeps_logit_order``: the trace cache, which builds it once). Ranking every token-layer's
+    logits costs a single pass more than the walk saves, so a plain Parquet pass scans instead:
+    the same choices either way."""
     substitute = chosen(params)["substitute"]  # "frequency" where nothing is substituted
     reads = bool(registries()["substitute"][substitute].NEEDS_LOGITS)
-    return {"logits": reads, "order_r": int(params.options.get("top_r", 0)) if reads else 0}
+    kept = bool(getattr(source, "keeps_logit_order", False)) if source is not None else True
+    return {"logits": reads,
+            "order_r": int(params.options.get("top_r", 0)) if reads and kept else 0}
 
 
 def needs_next_use(params: SimParams) -> bool:
@@ -88,7 +93,7 @@ def simulate(
             sim.warm(counts)
         tokens_done = 0
         row = 0
-        for chunk in source.iter_chunks(chunk_tokens, **read_options(params)):
+        for chunk in source.iter_chunks(chunk_tokens, **read_options(params, source)):
             tokens_done += chunk.num_tokens
             check_chunk(chunk, params)
             chunk = after_group(chunk, last_warmup_group)
