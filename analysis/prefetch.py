@@ -54,12 +54,11 @@ def table(df: pl.DataFrame) -> str:
                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows.iter_rows(named=True):
             n = r["prefetches"]
-            share = (lambda x: f"{100 * x / n:.0f} %") if n else (lambda x: "")
+            useful, late = (f"{100 * r[c] / n:.0f} %" if n else "" for c in ("useful_prefetches", "late_prefetches"))
             out.append(
                 f"| {100 * r['cache.fraction']:.0f} % | {r['label']} | {r['ms_per_token']:.2f} "
                 f"| {r['mean_mass']:.3f} | {100 * r['hit_rate']:.1f} % "
-                f"| {n / r['decode_tokens']:.1f} | {share(r['useful_prefetches'])} "
-                f"| {share(r['late_prefetches'])} "
+                f"| {n / r['decode_tokens']:.1f} | {useful} | {late} "
                 f"| {r['wasted_prefetch_bytes'] / MIB / r['decode_tokens']:.2f} |")
         out.append("")
     return "\n".join(out)
