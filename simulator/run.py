@@ -462,6 +462,12 @@ def prepare(cfg: Mapping, opened=None) -> Prepared:
         raise InputError(
             f"'cache.warmup_tokens={params.warmup_tokens}' leaves none of the {tokens:,} tokens to "
             "simulate (the warm-up is excluded); lower cache.warmup_tokens or use cache.init=cold")
+    option = getattr(registries()["predictor"][params.predictor], "TRAIN_TOKENS", None)
+    if option is not None and params.prefetch != "none" and params.options.get(option, 0) >= tokens:
+        raise InputError(
+            f"'prefetch.{option}={params.options[option]}' leaves none of the {tokens:,} tokens to "
+            f"simulate (they train prefetch.predictor={params.predictor} and are not simulated); "
+            f"lower prefetch.{option}")
     for line in ignored_settings(cfg, params):
         print(f"moe-sim: warning: {line}", file=sys.stderr)
     path = source_path(source)

@@ -104,6 +104,8 @@ def test_an_error_only_hydra_sees_is_one_line_too(trace, tmp_path):
     (["cache.init=frequency", "cache.warmup_tokens=100000"],
      ["'cache.warmup_tokens=100000'", "300 tokens", "lower cache.warmup_tokens"]),
     (["cache.init=frequency", "cache.warmup_tokens=300"], ["'cache.warmup_tokens=300'"]),
+    (["prefetch.predictor=coactivation", "prefetch.train_tokens=300"],
+     ["'prefetch.train_tokens=300'", "300 tokens", "lower prefetch.train_tokens"]),
 ])
 def test_values_the_run_cannot_take_are_one_line_and_leave_no_run(trace, tmp_path, overrides, words):
     proc = moe_sim(f"trace.path={trace}", *overrides, f"hydra.run.dir={tmp_path / 'run'}")

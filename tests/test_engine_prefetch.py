@@ -95,8 +95,12 @@ def test_predictions_need_look_ahead_routing():
         simulate(source, p)
 
 
+PREDICTORS = ("lookahead", "previous", "frequency", "coactivation")
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_engines_agree_with_prefetch(seed):
+    """Every predictor in turn, with random prefetch options, against the reference."""
     rng = np.random.default_rng(12 * 10**6 + seed)
     base = random_trace(rng)
     T, L, k = base.chunk.experts.shape
@@ -107,8 +111,29 @@ def test_engines_agree_with_prefetch(seed):
     order = np.argsort(-scores, axis=-1)[..., :4].astype(np.int16)
     source = ahead_trace(base.chunk.experts, order, num_experts=E)
     p = random_params(rng, source.meta)
-    p.predictor, p.prefetch = "lookahead", "topp"
+    p.predictor = PREDICTORS[seed % len(PREDICTORS)]
+    p.prefetch = "topp"
     p.options.update(top_p=int(rng.integers(1, 5)), max_inflight_bytes=int(rng.choice([-1, 200, 600])),
-                     cancel_stale=bool(rng.integers(2)))
+                     cancel_stale=bool(rng.integers(2)),
+                     distance=1 if p.predictor == "lookahead" else int(rng.integers(1, L)),  # depth 1 stored
+                     train_tokens=int(rng.integers(1, 12)), successors=int(rng.integers(1, 5)))
     p.substitute_by = "frequency"
     run_both(source, p, chunk_tokens=int(rng.choice([1, 4, 1000])))
+
+
+def test_coactivation_trains_on_the_first_tokens_and_simulates_the_rest():
+    """Its training tokens are not simulated; trained, it prefetches (untrained it could not)."""
+    rng = np.random.default_rng(77)
+    base = random_trace(rng)
+    while base.meta.num_layers < 2 or base.chunk.num_tokens < 30:
+        base = random_trace(rng)
+    T = base.chunk.num_tokens
+    p = random_params(rng, base.meta, rule="fetch_all")
+    p.init, p.warmup_tokens = "cold", 0
+    p.predictor, p.prefetch = "coactivation", "topp"
+    p.options.update(top_p=base.meta.top_k, train_tokens=10, successors=4, distance=1,
+                     max_inflight_bytes=-1, cancel_stale=False)
+    r = run_both(base, p)
+    trained = int(np.searchsorted(base.chunk.group, base.chunk.group[9], side="right"))
+    assert r.phase.shape[0] == T - trained
+    assert r.prefetches > 0

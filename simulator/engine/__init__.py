@@ -83,20 +83,24 @@ def simulate(
     counts, last_warmup_group = None, -1
     if params.init == "frequency":
         counts, last_warmup_group = warmup_counts(source, params, chunk_tokens)
+    training, last_train_group = predictor_training(source, params, chunk_tokens)
+    skipped = max(last_warmup_group, last_train_group)  # neither part is simulated
     with contextlib.ExitStack() as stack:
         next_use = None
         if needs_next_use(params):
-            next_use = stack.enter_context(NextUseFile(source, last_warmup_group, chunk_tokens))
+            next_use = stack.enter_context(NextUseFile(source, skipped, chunk_tokens))
         sim = make_engine(params, meta, engine, None if next_use is None else next_use.first_use,
                           observer)
         if counts is not None:
             sim.warm(counts)
+        if training is not None:
+            sim.train_predictor(training, int(params.options.get("distance", 1)))
         tokens_done = 0
         row = 0
         for chunk in source.iter_chunks(chunk_tokens, **read_options(params, source)):
             tokens_done += chunk.num_tokens
             check_chunk(chunk, params)
-            chunk = after_group(chunk, last_warmup_group)
+            chunk = after_group(chunk, skipped)
             if chunk.num_tokens:
                 stop = row + chunk.num_tokens
                 sim.run_chunk(chunk, None if next_use is None else next_use.rows(row, stop))
@@ -104,6 +108,36 @@ def simulate(
             if progress is not None:
                 progress(tokens_done)
         return sim.result()
+
+
+def predictor_training(source, params: SimParams, chunk_tokens: int | None = None):
+    """The selections int[N, L, k] that train the prefetch predictor, and their last group
+    ordinal: the first ``train_tokens`` tokens (the predictor's ``TRAIN_TOKENS`` option) extended
+    to a whole group, which are then not simulated; (None, -1) for a predictor that learns
+    nothing ahead."""
+    names = chosen(params)
+    option = getattr(registries()["predictor"][names["predictor"]], "TRAIN_TOKENS", None)
+    if option is None or names["prefetch"] == "none":
+        return None, -1
+    n = int(params.options.get(option, 0))
+    rows, last_group, seen = [], -1, 0
+    for chunk in source.iter_chunks(chunk_tokens, logits=False):
+        T = chunk.num_tokens
+        if T == 0:
+            continue
+        check_chunk(chunk, params)
+        stop = T
+        if seen + T >= n:
+            last_group = int(chunk.group[n - seen - 1])
+            stop = int(np.searchsorted(chunk.group, last_group, side="right"))
+        else:
+            last_group = int(chunk.group[-1])
+        rows.append(np.asarray(chunk.experts[:stop]))
+        seen += T
+        if seen >= n:
+            break
+    return (np.concatenate(rows) if rows else np.zeros((0, params.num_layers, params.top_k), np.int32),
+            last_group)
 
 
 def warmup_counts(source, params: SimParams, chunk_tokens: int | None = None):

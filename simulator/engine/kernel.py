@@ -343,6 +343,12 @@ class KernelSimulator:
         for p, fill in enumerate(frequency_fill(counts, self.params, self.layout)):
             self.kernels.warm(fill, p, self.consts, self.core, self.policy_states[0])
 
+    def train_predictor(self, experts: np.ndarray, max_distance: int) -> None:
+        """Train the prefetch predictor on the selections int[N, L, k] of its training tokens."""
+        *others, predictor, prefetch = self.policy_states
+        module = modules(chosen(self.params))["predictor"]
+        self.policy_states = (*others, module.train(predictor, experts, max_distance), prefetch)
+
     def run_chunk(self, chunk: TraceChunk, next_use: np.ndarray | None = None) -> None:
         """Simulate every group of a chunk; ``next_use``: int32[T, L, k] rows (belady)."""
         T = chunk.num_tokens

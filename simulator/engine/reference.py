@@ -264,6 +264,10 @@ class ReferenceSimulator:
 
     # ---- groups and steps --------------------------------------------------------------
 
+    def train_predictor(self, experts, max_distance: int) -> None:
+        """Train the prefetch predictor on the selections int[N, L, k] of its training tokens."""
+        self.predictor.train(experts, max_distance)
+
     def warm(self, counts: np.ndarray) -> None:
         """init=frequency: fill each pool by the warm-up tokens' selection counts (int64[L*E])."""
         counts = np.asarray(counts, dtype=np.int64)
