@@ -209,6 +209,7 @@ def test_ssd_fit_takes_expert_sized_reads():
     def read(block, us):
         return dict(block_bytes=block, pattern="random", qd=1, median_us=us)
 
+    samples.pop("read_copy")  # without back-to-back reads the QD1 fit is the profile's
     large = [read(b, 100.0 + b / 1e3) for b in (MIB, 4 * MIB, 9 * MIB)]
     samples["ssd"] = [read(4 * KIB, 40.0), *large, dict(read(9 * MIB, 1.0), qd=8)]
     profile, _ = profile_from_samples(samples, "x", None)
@@ -217,6 +218,26 @@ def test_ssd_fit_takes_expert_sized_reads():
     samples["ssd"] = [read(4 * KIB, 40.0), large[-1]]
     profile, _ = profile_from_samples(samples, "x", None)
     assert profile["ssd"]["latency_us"] < 100.0
+
+
+def test_back_to_back_reads_are_the_ssd_line_where_measured():
+    """Read-then-copy pipelines whose reads end every 500 us + bytes / 2 GB/s after the one before
+    (the first read slower: the reader's start) give that line, not the isolated QD1 reads'."""
+    samples = _samples()
+
+    def pipeline(kind, b, first=5000.0):
+        step = 500.0 + b / 2e3
+        ends = [first + i * step for i in range(16)]
+        return dict(kind=kind, bytes=b, n=16, total_us=[ends[-1] + 100.0], read_end_us=[ends, ends])
+
+    samples["read_copy"] = [pipeline(k, b) for k in ("pinned", "pageable") for b in (6 * MIB, 9 * MIB)]
+    profile, fits = profile_from_samples(samples, "x", None)
+    assert profile["ssd"]["latency_us"] == pytest.approx(500.0, rel=1e-6)
+    assert profile["ssd"]["bandwidth_gbps"] == pytest.approx(2.0, rel=1e-6)
+    assert fits["ssd_used"] == "back_to_back" and fits["ssd_random_qd1"]["bandwidth_gbps"] != pytest.approx(2.0)
+    samples["read_copy"] = [pipeline("pinned", 9 * MIB)]  # one size: no line, the QD1 fit
+    profile, fits = profile_from_samples(samples, "x", None)
+    assert fits["ssd_used"] == "random_qd1" and profile["ssd"]["latency_us"] != pytest.approx(500.0)
 
 
 def test_fixed_costs_are_the_sequence_beyond_its_parts():

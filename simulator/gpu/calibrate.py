@@ -240,8 +240,9 @@ def render_profile_yaml(profile: dict, header: Sequence[str] = ()) -> str:
         *field("pcie", "bandwidth_gbps", "GB/s (1e9 bytes/s), pinned host memory (burst fit)"),
         *field("pcie", "pageable_bandwidth_gbps", "copies from pageable host memory (isolated, at expert size)"),
         "ssd:",
-        *field("ssd", "latency_us", "O_DIRECT random reads at queue depth 1 (fit over blocks >= 1 MiB)"),
-        *field("ssd", "bandwidth_gbps", "same fit; other queue depths in the samples"),
+        *field("ssd", "latency_us", "O_DIRECT reads of expert size back to back (read-then-copy "
+               "pipelines; without them random QD1 reads of 1 MiB and more)"),
+        *field("ssd", "bandwidth_gbps", "same fit; QD1..32 random reads in the samples"),
         *field("", "host_ram_bytes", "bytes of expert weights host RAM can hold; null = the whole model"),
         *field("", "host_pinned_bytes", "of host_ram_bytes, the most recently used bytes pinned; null = all"),
         "gpu:",
@@ -896,6 +897,23 @@ def _ssd_fit(ssd: list[dict], fallback: Sequence[float]) -> Fit:
     return fit_or_rate([s["block_bytes"] for s in rows], [s["median_us"] for s in rows], "ssd fit")
 
 
+def _ssd_back_to_back_fit(read_copy: list[dict]) -> Fit | None:
+    """The disk's time per read when reads follow one another, as the model's SSD serves them
+    in an SSD-bound step: from the read-then-copy pipelines (reads back to back into their own
+    buffers), each read's interval after the one before it (the first, which pays the thread's
+    start, left out), median per buffer kind and size, fitted over the sizes. None without two
+    sizes."""
+    points: dict[tuple[str, int], list[float]] = {}
+    for r in read_copy:
+        for ends in r["read_end_us"]:
+            points.setdefault((r["kind"], r["bytes"]), []).extend(
+                b - a for a, b in zip(ends, ends[1:], strict=False))
+    if len({b for _, b in points}) < 2:
+        return None
+    keys = sorted(points)
+    return fit_or_rate([b for _, b in keys], [median(points[k]) for k in keys], "ssd back-to-back fit")
+
+
 def _idle_latency_us(h2d: list[dict], kind: str, sizes: Sequence[int], fit: Fit) -> float:
     """A copy's fixed cost on an idle link: isolated copies at the expert sizes minus their
     bytes at the fit's bandwidth (the model has one bandwidth and two latencies)."""
@@ -963,7 +981,9 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
     at_expert = min(pageable, key=lambda s: abs(s["bytes"] - max(expert_sizes)))
     # a pageable copy on an idle link costs the idle latency plus its bytes at this bandwidth
     pageable_gbps = at_expert["bytes"] / max(1e-9, median(at_expert["times_us"]) - idle_latency) / 1e3
-    ssd_fit = _ssd_fit(samples["ssd"], samples["ssd_fallback"])
+    ssd_qd1 = _ssd_fit(samples["ssd"], samples["ssd_fallback"])
+    ssd_b2b = _ssd_back_to_back_fit(samples.get("read_copy", []))
+    ssd_fit = ssd_b2b or ssd_qd1  # the disk as an SSD-bound step sees it, where measured
     experts = samples["gpu_expert"]
     expert_key, nonexpert_key = EXPERT_SERIES[expert_mode]
     if not all(expert_key in e for e in experts):  # a CPU run has no graphs
@@ -1002,7 +1022,10 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
     method = (
         f"moe-calibrate: host-to-device copies timed with {'CUDA events' if cuda else 'the wall clock'} "
         f"({copy_fit} fit over 64 KiB-{samples['max_copy_bytes'] // MIB} MiB, {kind}; idle latency: isolated "
-        f"copies at expert size); SSD random QD1 fit, {samples['ssd_note']}; experts {expert_mode} ({expert_key}: "
+        f"copies at expert size); SSD "
+        + ("reads back to back (read-then-copy pipelines, fit over expert sizes)" if ssd_b2b
+           else "random QD1 fit")
+        + f", {samples['ssd_note']}; experts {expert_mode} ({expert_key}: "
         + ("one grouped kernel per step, device time" if expert_mode == "batched" else "per expert call")
         + f", weights rotated past L2); non-expert layer as a CUDA graph ({nonexpert_key}); "
         + ("token and step fixed costs: the replay's step sequence against its parts; " if fixed else "")
@@ -1022,7 +1045,9 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
         f["copies_model_us"] = {c: pcie["idle_latency_us"] + (int(c) - 1) * pcie["latency_us"] + int(c) * per_copy
                                 for c in f["copies_us"]}
     fits = dict(h2d_isolated=asdict(fit_iso), h2d_burst=asdict(fit_burst), h2d_used=copy_fit,
-                h2d_idle_latency_us=idle_latency, ssd_random_qd1=asdict(ssd_fit), gpu_expert=asdict(gpu_fit),
+                h2d_idle_latency_us=idle_latency, ssd_random_qd1=asdict(ssd_qd1),
+                ssd_back_to_back=asdict(ssd_b2b) if ssd_b2b else None,
+                ssd_used="back_to_back" if ssd_b2b else "random_qd1", gpu_expert=asdict(gpu_fit),
                 gpu_expert_series=expert_key, cpu_expert=asdict(cpu_fit), expert_mode=expert_mode,
                 compute=compute, fixed=fixed, read_copy=_read_copy_checks(samples, profile))
     return profile, fits
