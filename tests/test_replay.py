@@ -425,3 +425,24 @@ def test_the_validation_script_on_the_cpu(tmp_path, tiny_trace_file):
     summary = (out / "summary.txt").read_text()
     assert summary.count("mean |error|") == 3 and "rule015@0.25+ram" in summary
     assert done.stdout.endswith(summary) and not (tmp_path / "experts.bin").exists()
+
+
+def test_background_copies_issued_by_the_compute_thread_run_the_same_plan(tmp_path, tiny_trace_file):
+    """--background-from compute: the plan's background copies issued without the copy thread,
+    the same runs and counts; a plan with SSD reads is refused (its reads need the reader)."""
+    pytest.importorskip("torch")
+    plan = tmp_path / "plan.npz"
+    replay.main(["plan", "--trace", str(tiny_trace_file), "--profile", str(PROFILE), "--model", "",
+                 "--policies", "quality_first", "--fractions", "0.25", "--override", "admission.beta=0.01",
+                 "--out", str(plan)])
+    _, runs = load_plans(plan)
+    assert int(np.diff(runs["quality_first@0.25"]["background_off"]).sum()) > 0  # it has background copies
+    results = {}
+    for mode in ("thread", "compute"):
+        out = tmp_path / mode
+        replay.main(["run", "--plan", str(plan), "--device", "cpu", "--out", str(out), "--host-layers", "2",
+                     "--background-from", mode])
+        results[mode] = json.loads((out / "replay.json").read_text())
+        assert results[mode]["background_from"] == mode
+    a, b = (results[m]["runs"][0] for m in ("thread", "compute"))
+    assert a["counts"] == b["counts"] and len(a["measured_us"]) == len(b["measured_us"])

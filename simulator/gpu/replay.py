@@ -666,6 +666,7 @@ class Executor:
         self.slot_bytes = self.slots_mem.view(torch.uint8)
         log(f"gpu: {num_slots} expert slots ({num_slots * self.expert_bytes / GIB:.1f} GiB)")
         self.mode = expert_mode if (self.cuda or expert_mode == "batched") else "eager"
+        self.background_from = "thread"  # or "compute": the compute thread issues them (--background-from)
         t0 = time.perf_counter()
         self.stack = LayerStack(dims, self.slots_mem, device, dtype, ctx, self.mode, max_n, max_launches)
         log(f"layer stack ({self.mode}) ready in {time.perf_counter() - t0:.1f} s")
@@ -754,8 +755,15 @@ class Executor:
         if self.cuda:
             torch.cuda.synchronize()
         progress = _Progress()
+        inline = self.background_from == "compute"
+        if inline and reads:
+            raise InputError("--background-from compute needs a plan without SSD reads")
+        by_step: dict[int, list] = {}
+        for step, t in transfers if inline else ():
+            by_step.setdefault(step, []).append(t)
         threads = [threading.Thread(target=_guarded(fn, progress), args=(work, progress), daemon=True)
-                   for fn, work in ((self._reader, reads), (self._background, transfers)) if work]
+                   for fn, work in ((self._reader, reads), (self._background, [] if inline else transfers))
+                   if work]
         times = np.zeros(len(arrays["group_phase"]))
         ctx = torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext()
         switch = sys.getswitchinterval()
@@ -786,7 +794,14 @@ class Executor:
                                 progress.wait(lambda read=read: progress.reads_done > read)
                             self.slot_bytes[slot].copy_(self._source(x, src, buf), non_blocking=True)
                         if s in queued:
-                            progress.put(progress.fetches_issued, s, self._event(self.compute))
+                            ev = self._event(self.compute)
+                            progress.put(progress.fetches_issued, s, ev)
+                            if inline:  # the same copies, in queue order, issued from this thread
+                                with torch.cuda.stream(self.background) if self.cuda else contextlib.nullcontext():
+                                    self.background.wait_event(ev) if self.cuda else None
+                                    for x, slot, tid, src, buf, _ in by_step.get(s, ()):
+                                        self.slot_bytes[slot].copy_(self._source(x, src, buf), non_blocking=self.cuda)
+                                        progress.put(progress.copied, tid, self._event(self.background))
                         self.stack.experts(s)
                         s += 1
                     if self.cuda:
@@ -877,8 +892,10 @@ def cmd_run(args) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         ex = executor("graph")
+    ex.background_from = args.background_from
     out = dict(header={k: v for k, v in header.items() if k != "runs"}, host=facts, device=str(device),
-               host_layers=host_layers, expert_mode=ex.mode, dims=dims.__dict__, repeats=args.repeats,
+               host_layers=host_layers, expert_mode=ex.mode, background_from=args.background_from,
+               dims=dims.__dict__, repeats=args.repeats,
                dtype=args.dtype, ssd_file=str(ssd_file) if ssd_file else None, runs=[])
     for r in selected:
         arrays = runs[r["name"]]
@@ -1234,6 +1251,10 @@ def parser() -> argparse.ArgumentParser:
     rn.add_argument("--ssd-file", default=None,
                     help="expert file the SSD reads come from (used as it is if it exists, else created at --ssd-file-mib)")
     rn.add_argument("--ssd-file-mib", type=int, default=4096, help="size of a new expert file (MiB)")
+    rn.add_argument("--background-from", choices=("thread", "compute"), default="thread",
+                    help="who issues the background copies: a copy thread (default), or the compute "
+                         "thread right after the step that queued them (plans without SSD reads; "
+                         "tells the replay's thread from the hardware's cost)")
     rn.add_argument("--expert-mode", choices=("auto", "batched", "graph", "eager"), default="auto",
                     help="batched: one grouped Triton kernel per step (auto on a GPU with Triton); graph: a CUDA "
                          "graph per expert slot; eager: plain torch calls")
