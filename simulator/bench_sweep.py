@@ -56,7 +56,7 @@ def synth(path: Path, tokens: int, layers: int, experts: int, top_k: int) -> Non
     """A synthetic full-logit trace through the moe-trace command."""
     cmd = [sys.executable, "-m", "traces.cli", "synth", str(path), "--tokens", str(tokens),
            "--layers", str(layers), "--experts", str(experts), "--top-k", str(top_k),
-           "--seed", "1", "--logits", "full"]
+           "--seed", "1", "--logits", "full", "--prompt-share", "0"]  # decode only: a 1-token trace too
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
