@@ -119,9 +119,14 @@ def predictor_training(source, params: SimParams, chunk_tokens: int | None = Non
     option = getattr(registries()["predictor"][names["predictor"]], "TRAIN_TOKENS", None)
     if option is None or names["prefetch"] == "none":
         return None, -1
-    n = int(params.options.get(option, 0))
+    return leading_selections(source, params, int(params.options.get(option, 0)), chunk_tokens)
+
+
+def leading_selections(source, params: SimParams, n: int, chunk_tokens: int | None = None):
+    """The selections int[N, L, k] of the trace's first ``n`` tokens extended to a whole group,
+    and that group's ordinal (-1 and no rows for ``n <= 0``)."""
     rows, last_group, seen = [], -1, 0
-    for chunk in source.iter_chunks(chunk_tokens, logits=False):
+    for chunk in source.iter_chunks(chunk_tokens, logits=False) if n > 0 else ():
         T = chunk.num_tokens
         if T == 0:
             continue
@@ -147,29 +152,9 @@ def warmup_counts(source, params: SimParams, chunk_tokens: int | None = None):
     (-1: no warm-up group).
     """
     L, E = params.num_layers, params.num_experts
-    counts = np.zeros(L * E, np.int64)
-    last_group = -1
-    if params.warmup_tokens <= 0:
-        return counts, last_group
-    layer_base = (np.arange(L, dtype=np.int64) * E)[None, :, None]
-    seen = 0
-    for chunk in source.iter_chunks(chunk_tokens, logits=False):
-        T = chunk.num_tokens
-        if T == 0:
-            continue
-        check_chunk(chunk, params)
-        stop = T
-        if seen + T >= params.warmup_tokens:
-            last_group = int(chunk.group[params.warmup_tokens - seen - 1])
-            stop = int(np.searchsorted(chunk.group, last_group, side="right"))
-        else:
-            last_group = int(chunk.group[-1])
-        x = chunk.experts[:stop].astype(np.int64) + layer_base
-        counts += np.bincount(x.ravel(), minlength=L * E)
-        seen += T
-        if seen >= params.warmup_tokens:
-            break
-    return counts, last_group
+    experts, last_group = leading_selections(source, params, params.warmup_tokens, chunk_tokens)
+    x = experts.astype(np.int64) + (np.arange(L, dtype=np.int64) * E)[None, :, None]
+    return np.bincount(x.ravel(), minlength=L * E).astype(np.int64), last_group
 
 
 def check_params(params: SimParams, meta: TraceMeta) -> None:
