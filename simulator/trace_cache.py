@@ -278,7 +278,8 @@ class CachedTrace:
                 chunk = TraceChunk(
                     **{n: a[n][rows] for n in ("seq", "pos", "phase", "group", "domain", "token_id", "gates")},
                     experts=a["experts"][rows].astype(np.int32),
-                    logits=(decoded_logits(meta, a["logits"][rows], ids) if logits and "logits" in a
+                    logits=(decoded_logits(meta, a["logits"][rows], ids, as_stored=logits == "float16")
+                            if logits and "logits" in a
                             else np.zeros((0, meta.num_layers, meta.num_experts), np.float32)),
                     residency=a["residency"][rows] if "residency" in a
                     else np.zeros((0, meta.num_layers, meta.top_k), np.int8),

@@ -124,16 +124,16 @@ def test_the_walk_reads_the_order_and_a_policy_without_logit_substitutes_reads_n
     p = random_params(rng, source.meta, rule="rule015")
     by_logit = dataclasses.replace(p, substitute_by="logit", miss_action="substitute",
                                    options={"top_r": 4})
-    assert read_options(by_logit) == {"logits": True, "order_r": 4}
+    assert read_options(by_logit) == {"logits": "float16", "order_r": 4}
     assert read_options(dataclasses.replace(by_logit, substitute_by="frequency")) == \
         {"logits": False, "order_r": 0}
     assert read_options(dataclasses.replace(by_logit, protect_ranks=0, tau=0.0)) == \
         {"logits": False, "order_r": 0}  # fetch_all never substitutes
     assert read_options(dataclasses.replace(by_logit, miss_action="cpu")) == {"logits": False, "order_r": 0}
     # the order only from a source that keeps it: a plain pass ranks every logit for nothing
-    assert read_options(by_logit, source) == {"logits": True, "order_r": 0}
+    assert read_options(by_logit, source) == {"logits": "float16", "order_r": 0}
     source.keeps_logit_order = True
-    assert read_options(by_logit, source) == {"logits": True, "order_r": 4}
+    assert read_options(by_logit, source) == {"logits": "float16", "order_r": 4}
 
 
 def test_top_r_stored_logits_walk_the_same_through_the_parquet_reader(tmp_path):

@@ -77,7 +77,10 @@ Options every chunk source takes (``iter_chunks(max_tokens, *, logits=True, orde
 ``iter_chunks_reversed`` alike): ``logits=False`` leaves the logits column unread and undecoded
 (``chunk.logits`` is (0, L, E)); ``order_r=R`` adds ``chunk.logit_order``, per token-layer the
 ids of the R highest logits (at most E), descending, ties by lower id: the order
-``np.lexsort((ids, -logits))`` gives.
+``np.lexsort((ids, -logits))`` gives. ``logits="float16"`` asks for the logits as stored, dense
+float16 (no conversion; a view of the column where it can be): for consumers that compare only a
+few of them (the kernel converts a row when it needs one); a source holding float32 logits may
+give those instead, the values are the same.
 
 Reading streams by Parquet row group: a chunk holds whole groups and, by default, about
 ``CHUNK_BYTES`` of decoded arrays, so memory follows the chunk size, not the file size. Every bad
@@ -298,7 +301,7 @@ class TraceChunk:
     token_id: np.ndarray  # int32[T], -1 where absent
     experts: np.ndarray  # int32[T, L, k]
     gates: np.ndarray  # float32[T, L, k]
-    logits: np.ndarray  # float32[T, L, E] or [0, L, E]
+    logits: np.ndarray  # float32[T, L, E] (float16 where a source was asked logits="float16") or [0, L, E]
     residency: np.ndarray  # int8[T, L, k] or [0, L, k]
     nll: np.ndarray | None = None  # float32[T] (NaN where absent), or None
     lookahead_ids: np.ndarray | None = None  # int32[T, L, D, R], by logit descending; -1: no layer
@@ -820,9 +823,12 @@ def _dense_logits(meta: TraceMeta, values: np.ndarray, ids: np.ndarray) -> np.nd
     return dense
 
 
-def decoded_logits(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
-    """Stored float16 logits (T, L, E), or top R with their ids, as the dense float32 readers give."""
-    return float32_logits(stored if ids is None else _dense_logits(meta, stored, ids))
+def decoded_logits(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None,
+                   as_stored: bool = False) -> np.ndarray:
+    """Stored float16 logits (T, L, E), or top R with their ids, as the dense float32 readers give
+    (``as_stored``: dense float16, the stored values unconverted)."""
+    dense = stored if ids is None else _dense_logits(meta, stored, ids)
+    return np.ascontiguousarray(dense, dtype=np.float16) if as_stored else float32_logits(dense)
 
 
 def _order_preserving(bits: np.ndarray) -> np.ndarray:
@@ -1369,13 +1375,16 @@ class TraceReader:
 def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: int, *,
                   logits: bool = True, order_r: int = 0) -> TraceChunk:
     """The chunk of checked on-disk columns (:meth:`TraceReader.iter_stored`); groups from
-    ``first_group``. Logits become dense float32 if ``logits``; ``order_r`` (at most E) adds
-    ``logit_order``."""
+    ``first_group``. Logits become dense float32 if ``logits`` (dense float16 for
+    ``logits="float16"``); ``order_r`` (at most E) adds ``logit_order``."""
     cols = dict(stored)
     values, ids = cols.pop("logits", None), cols.pop("logit_ids", None)
-    if logits and values is not None:
+    as_stored = logits == "float16"
+    if logits and values is not None and not as_stored:
         cols["logits"] = decoded_logits(meta, values, ids)
     chunk = make_chunk(meta, **cols, first_group=first_group)
+    if as_stored and values is not None:
+        chunk.logits = decoded_logits(meta, values, ids, as_stored=True)
     if order_r:
         chunk.logit_order = stored_logit_order(meta, values, ids, order_r)
     return chunk

@@ -44,7 +44,9 @@ def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
 
 def read_options(params: SimParams, source=None) -> dict:
     """What the run reads of the trace, as chunk-source options: the router logits only where a
-    miss can be substituted by logit, so a policy that never reads logits decodes none; and their
+    miss can be substituted by logit, so a policy that never reads logits decodes none (and as
+    stored, float16: the engines compare a few per step, the kernel converts a row only for its
+    exact scan); and their
     top ``policy.top_r`` order (the walk of substitute/logit.py) where ``source`` keeps it
     (``keeps_logit_order``: the trace cache, which builds it once). Ranking every token-layer's
     logits costs a single pass more than the walk saves, so a plain Parquet pass scans instead:
@@ -52,7 +54,7 @@ def read_options(params: SimParams, source=None) -> dict:
     substitute = chosen(params)["substitute"]  # "frequency" where nothing is substituted
     reads = bool(registries()["substitute"][substitute].NEEDS_LOGITS)
     kept = bool(getattr(source, "keeps_logit_order", False)) if source is not None else True
-    return {"logits": reads,
+    return {"logits": "float16" if reads else False,
             "order_r": int(params.options.get("top_r", 0)) if reads and kept else 0}
 
 

@@ -61,7 +61,8 @@ class Chunk(NamedTuple):
 
     experts: np.ndarray  # int32[T, L, k]
     gates: np.ndarray  # float32[T, L, k]: normalised gate weights
-    logits: np.ndarray  # float32[T, L, E], or [0, L, E] without logits
+    logits: np.ndarray  # float32[T, L, E], or [0, L, E] without logits or with logit_bits
+    logit_bits: np.ndarray  # uint16[T, L, E]: the float16 logits' bits as stored, or [0, L, E]
     group: np.ndarray  # int64[T]
     phase: np.ndarray  # int8[T]
     next_use: np.ndarray  # int32[T, L, k] next-use group ordinals (belady), or [0, L, k]
@@ -327,6 +328,7 @@ class KernelSimulator:
         )
         L, E, K = params.num_layers, params.num_experts, params.top_k
         self._no_logits = np.zeros((0, L, E), np.float32)
+        self._no_bits = np.zeros((0, L, E), np.uint16)
         self._no_next_use = np.zeros((0, L, K), np.int32)
         self._no_lookahead = np.zeros((0, L, 0, 0), np.int32)
         self._no_order = np.zeros((0, L, 0), np.int16)
@@ -353,11 +355,16 @@ class KernelSimulator:
         """Simulate every group of a chunk; ``next_use``: int32[T, L, k] rows (belady)."""
         T = chunk.num_tokens
         out = TokenOut(*(np.empty(T, m.dtype) for m in TOKEN))
-        logits = self._no_logits if chunk.logits.shape[0] == 0 else chunk.logits
+        logits, bits = self._no_logits, self._no_bits
+        if chunk.logits.shape[0] and chunk.logits.dtype == np.float16:  # converted row by row
+            bits = np.ascontiguousarray(chunk.logits).view(np.uint16)
+        elif chunk.logits.shape[0]:
+            logits = chunk.logits
         ch = Chunk(
             experts=kernel_array(chunk.experts, np.int32),
             gates=kernel_array(chunk.gates, np.float32),
             logits=kernel_array(logits, np.float32),
+            logit_bits=kernel_array(bits, np.uint16),
             group=kernel_array(chunk.group, np.int64),
             phase=kernel_array(chunk.phase, np.int8),
             next_use=self._no_next_use if next_use is None else kernel_array(next_use, np.int32),

@@ -8,13 +8,19 @@ when the trace is decoded and kept in the trace cache) until it meets an eligibl
 scans the layer's residents only when none of the ``top_r`` is eligible. The order is the full
 ranking's prefix (logit descending, ties by the lower id), so both give the same expert at every
 ``top_r``; ``top_r=0`` always scans.
+
+Logits may come as stored, float16 (``chunk.logit_bits``: the kernel reads no other logit than
+the walk's order): the exact scan then converts the token-layer's row once, through a lookup
+table, into the variant's own row buffer, so it ranks the same float32 values.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 
 from simulator.jit import jit
-from simulator.policies import NoState, no_state
 from simulator.policies.substitute._rank import best_scored, rank_residents, take_next
 
 NEEDS_LOGITS = True
@@ -27,7 +33,25 @@ class Options:
                 "the residents (same choices at every R; 0 = always scan)", "min": 0})
 
 
-State, make_state = NoState, no_state
+class State(NamedTuple):
+    f16: np.ndarray  # float32[65536]: the float32 value of each float16 bit pattern
+    row: np.ndarray  # float32[E]: a token-layer's logits, converted for the exact scan
+
+
+def make_state(params) -> State:
+    from traces.format import F16_TO_F32
+
+    return State(F16_TO_F32.copy(), np.zeros(params.num_experts, np.float32))
+
+
+@jit(allocates=False, inline=True)
+def _scan(core, st, chunk, a, layer, want, stamp):
+    if chunk.logit_bits.shape[0] == 0:
+        return rank_residents(core, layer, chunk.logits[a, layer], want, stamp)
+    bits, row, f16 = chunk.logit_bits[a, layer], st.row, st.f16
+    for e in range(row.shape[0]):
+        row[e] = f16[bits[e]]
+    return rank_residents(core, layer, row, want, stamp)
 
 
 @jit(allocates=False, inline=True)
@@ -43,7 +67,7 @@ def choose(core, st, c, chunk, a, layer, want, stamp, n_cand, next_cand):
                 return y, n_cand, j
         n_cand, next_cand = -1, 0  # none of the R is eligible: the exact scan from here on
     if n_cand < 0:
-        n_cand = rank_residents(core, layer, chunk.logits[a, layer], want, stamp)
+        n_cand = _scan(core, st, chunk, a, layer, want, stamp)
     y, next_cand = take_next(core, n_cand, next_cand)
     return y, n_cand, next_cand
 
