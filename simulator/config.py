@@ -271,7 +271,7 @@ _TEMPLATE_LINE = re.compile(r"^(?P<indent> *)(?P<key>\w+):[^#]*(#\s*(?P<help>.*)
 def hardware_settings() -> list[Setting]:
     """The numbers of a hardware profile, explained by conf/hardware/TEMPLATE.yaml's comments
     (the template is where a profile's fields are documented); ``hardware.x.y=`` overrides one."""
-    from simulator.hardware import PROFILE_FIELDS
+    from simulator.hardware import PROFILE_CHOICES, PROFILE_FIELDS
 
     text: dict[str, str] = {}
     section = None
@@ -287,11 +287,15 @@ def hardware_settings() -> list[Setting]:
     fields = [(f"{sec}.{name}", required) for sec, names in PROFILE_FIELDS.items()
               for name, (required, _, _) in names.items()]
     fields += [("host_ram_bytes", False), ("host_pinned_bytes", False)]
+    kinds = {key: "number" if required else "number or null" for key, required in fields}
+    for sec, names in PROFILE_CHOICES.items():
+        for name, options in names.items():
+            kinds[f"{sec}.{name}"] = " or ".join(options)
     rows = []
-    for key, required in fields:
+    for key, kind in kinds.items():
         help_text = text.get(key, "").removeprefix("optional: ")
         section = text.get(key.split(".")[0], "") if "." in key else ""
-        rows.append(Setting(f"hardware.{key}", "number" if required else "number or null",
+        rows.append(Setting(f"hardware.{key}", kind,
                             "(profile)", f"{help_text} [{section}]" if section else help_text))
     return rows
 

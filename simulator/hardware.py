@@ -34,6 +34,10 @@ PROFILE_FIELDS: dict[str, dict[str, tuple[bool, bool, float]]] = {
     "cpu": {"expert_fixed_us": (True, True, MAX_LATENCY_US),
             "memory_bandwidth_gbps": (True, False, MAX_MEMORY_GBPS)},
 }
+# section -> field -> its choices (the first: what a profile without the field models)
+PROFILE_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
+    "pcie": {"copy_order": ("priority", "submission")},
+}
 TOP_LEVEL = {"name", "source", "host", "host_ram_bytes", "host_pinned_bytes", "compute", "samples",
              *PROFILE_FIELDS}
 COMPUTE_FIELDS = ("gpu_expert_us", "nonexpert_layer_us", "cpu_expert_us")
@@ -57,8 +61,13 @@ def validate_profile(profile: Mapping, origin: str = "hardware profile") -> None
             problems.append(f"missing section 'hardware.{section}' ({', '.join(fields)})" if block is None
                             else f"'hardware.{section}' must map {', '.join(fields)} to numbers")
             continue
+        choices = PROFILE_CHOICES.get(section, {})
+        allowed = [*fields, *choices]
         problems += [f"unknown field 'hardware.{section}.{name}' (units are in the field name, "
-                     f"allowed: {', '.join(fields)})" for name in sorted(set(map(str, block)) - set(fields))]
+                     f"allowed: {', '.join(allowed)})" for name in sorted(set(map(str, block)) - set(allowed))]
+        problems += [f"'hardware.{section}.{name}' must be one of {', '.join(options)}, got {block[name]!r}"
+                     for name, options in choices.items()
+                     if block.get(name) is not None and block[name] not in options]
         for name, (required, zero, cap) in fields.items():
             value = block.get(name)
             if value is None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from simulator.config import CONF_DIR, INT64_MAX, REPO_ROOT, field_default, schema_fields
 from simulator.engine.params import INITS, SCOPES, SimParams
-from simulator.hardware import PROFILE_FIELDS, layer_times, validate_profile
+from simulator.hardware import PROFILE_CHOICES, PROFILE_FIELDS, layer_times, validate_profile
 from simulator.policies import registries
 from traces.atomic import atomic_write_text, output_errors
 from traces.errors import EXIT_INPUT_ERROR, InputError
@@ -282,6 +282,7 @@ def build_params(cfg: Mapping, meta: TraceMeta) -> tuple[SimParams, str]:
         host_pinned_budget_bytes=int(pinned) if pinned is not None else -1,
         token_fixed_us=float(gpu.get("token_fixed_us") or 0.0),
         step_fixed_us=float(gpu.get("step_fixed_us") or 0.0),
+        pcie_copy_order=str(pcie.get("copy_order") or PROFILE_CHOICES["pcie"]["copy_order"][0]),
     )
     return params, substitute_by
 

@@ -182,6 +182,7 @@ def random_params(rng: np.random.Generator, meta: TraceMeta, eviction=None, rule
         host_pinned_budget_bytes=int(rng.choice([-1, 0, int(expert_bytes.max()) * 2])),
         pcie_idle_latency_us=float(rng.uniform(0.5, 6.0)),
         pcie_pageable_bytes_per_us=float(rng.uniform(2.0, 20.0)),
+        pcie_copy_order=str(rng.choice(["priority", "submission"])),
         token_fixed_us=float(rng.choice([0.0, 3.5])),
         step_fixed_us=float(rng.choice([0.0, 1.25])),
         pcie_latency_us=float(rng.uniform(0.5, 3.0)),

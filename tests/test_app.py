@@ -389,13 +389,14 @@ def test_missing_profile_files_and_mixed_sweeps_are_one_line(trace, tmp_path):
 
 
 def test_the_template_documents_every_profile_field():
-    from simulator.hardware import PROFILE_FIELDS, TOP_LEVEL, validate_profile
+    from simulator.hardware import PROFILE_CHOICES, PROFILE_FIELDS, TOP_LEVEL, validate_profile
 
     profile = yaml.safe_load(TEMPLATE.read_text())
     validate_profile(profile)
     text = TEMPLATE.read_text()
     field_lines = [ln for ln in text.splitlines() if ln.startswith("  ") and ":" in ln]
-    for section, names in PROFILE_FIELDS.items():
+    for section, fields in PROFILE_FIELDS.items():
+        names = [*fields, *PROFILE_CHOICES.get(section, {})]
         assert set(names) == set(profile[section]), section
         for name in names:  # every field has its explanation on its line
             assert any(ln.startswith(f"  {name}:") and "  # " in ln for ln in field_lines), name

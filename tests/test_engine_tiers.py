@@ -8,10 +8,12 @@ An expert of BYTES = 90 bytes: a pinned copy 1 + 90 / 10 = 10 us, an SSD read 2 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine_cases import BYTES, NONEXPERT_US, PCIE_US, SSD_US, params, run_both, trace
 
 from simulator.engine import simulate
 from simulator.engine.reference import Observer
+from traces.errors import InputError
 
 A, B, C, D = 0, 1, 2, 3
 
@@ -106,3 +108,31 @@ def test_tier_off_is_one_resource():
     assert r.ssd_reads == 0
     assert r.stall_us.tolist() == [3 * PCIE_US, PCIE_US]
     assert np.all(r.time_us >= r.stall_us)
+
+
+def test_copy_order_priority_or_submission():
+    """First-choice rule, every substitution admitted. Token 0 [A, B, C]: all fetched (nothing to
+    substitute yet), copies 5-35, the token ends at 38. Token 1 [D, E, F] from t1 = 43: D fetched
+    (43-53), E and F substituted and queued at 43. Token 2 from t1 = 61 fetches G while E's copy
+    runs (53-63). ``priority``: G's copy goes ahead of F, which has not started (63-73, stall
+    12), F follows 73-83. ``submission``: F was submitted to the device at 43, so it runs first
+    (63-73) and G after it (73-83, stall 22)."""
+    E, F, G = 4, 5, 6
+    source = trace([[[A, B, C]], [[D, E, F]], [[G, D, A]], [[D, G, A]]], [[[0.5, 0.3, 0.2]]] * 4)
+    starts = {}
+    for order, stall in (("priority", 12.0), ("submission", 22.0)):
+        p = params(source.meta, budget_experts=3, rule="first_choice", beta=0.1,
+                   substitute_by="frequency", pcie_copy_order=order)
+        r = run_both(source, p)
+        assert r.stall_us.tolist()[:3] == [30.0, 10.0, stall]
+        seen = _Copies()
+        simulate(source, p, "reference", observer=seen)
+        starts[order] = [(x, t, end) for kind, x, t, end in seen.events if kind == "transfer_start"]
+    assert starts["priority"] == [(E, 53.0, 63.0), (F, 73.0, 83.0)]
+    assert starts["submission"] == [(E, 53.0, 63.0), (F, 63.0, 73.0)]
+
+
+def test_copy_order_is_checked():
+    source = trace([[[A]]])
+    with pytest.raises(InputError, match="pcie_copy_order must be priority or submission"):
+        simulate(source, params(source.meta, pcie_copy_order="fifo"))

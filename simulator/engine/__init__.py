@@ -172,6 +172,8 @@ def check_params(params: SimParams, meta: TraceMeta) -> None:
                          ("substitute", params.substitute_by), ("predictor", params.predictor),
                          ("prefetch", params.prefetch)):
         reg[family][name]  # noqa: B018 - raises InputError naming the choices
+    if params.pcie_copy_order not in ("priority", "submission"):
+        raise InputError(f"pcie_copy_order must be priority or submission, got {params.pcie_copy_order!r}")
     if not 0.0 < params.lfu_decay <= 1.0:
         raise InputError(f"lfu_decay must be in (0, 1], got {params.lfu_decay}")
     if params.warmup_tokens < 0:

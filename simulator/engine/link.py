@@ -10,8 +10,13 @@ that starts on an idle link pays the idle latency, one that follows another back
 burst latency.
 
 A step's synchronous fetches are issued together: their reads first, in order, then their copies
-in order, each copy waiting for its read; a synchronous stage goes ahead of every background
-stage not yet started but waits for one already running. Background transfers form one FIFO
+in order, each copy waiting for its read. How they meet background copies is the link's copy
+order (``pcie.copy_order``): ``priority`` (the engine holds its background queue on the host and
+submits a copy only when the link is idle): a synchronous copy goes ahead of every background
+copy not yet started but waits for one already running; ``submission`` (the engine submits each
+background copy to the device once it is queued and its read is done; the device serves
+host-to-device copies in submission order whatever the stream priority, as measured on the
+H200): a synchronous copy also waits for every background copy submitted before it. Background transfers form one FIFO
 queue with two cursors: a read cursor (first stages: the read, or for an expert in RAM nothing
 but the tier access) runs ahead of the copy cursor, so the queue's reads overlap its copies.
 
@@ -53,6 +58,7 @@ class LinkState(NamedTuple):
     ram_budget: int  # bytes of experts host RAM holds; -1 = all
     pinned_budget: int  # bytes of host RAM that are pinned; -1 = all
     cancel_stale: bool  # drop a queued prefetch once its target step has passed
+    submission_order: bool  # pcie.copy_order = submission: queued copies go to the device at once
     pending: np.ndarray  # int8[X]: 0, or the source (ADMISSION, PREFETCH) of its queued or flying transfer
     q_x: np.ndarray  # int32[X] queue ring: expert
     q_enqueued: np.ndarray  # float64[X]: enqueue time
@@ -84,6 +90,7 @@ def make_link_state(params: SimParams, layout: Layout) -> LinkState:
         ram_budget=int(params.host_ram_budget_bytes),
         pinned_budget=int(params.host_pinned_budget_bytes),
         cancel_stale=bool(params.options.get("cancel_stale", True)),
+        submission_order=params.pcie_copy_order == "submission",
         pending=np.zeros(X, np.int8),
         q_x=np.zeros(X, np.int32),
         q_enqueued=np.zeros(X, np.float64),
@@ -214,6 +221,13 @@ def _leave(link, x):
     link.pending[x] = 0
 
 
+@jit(allocates=False, inline=True)
+def _submitted_at(link, ready):
+    """When the queue head whose copy may start at ``ready`` goes to the device: at once in
+    submission order, else once the link is free too."""
+    return ready if link.submission_order else max(link.tstate[LINK_FREE], ready)
+
+
 @jit(allocates=False)
 def advance(resident, run_counts, link, t, step):
     """Start the background stages that can begin before t (at step ``step``, which makes
@@ -244,13 +258,13 @@ def advance(resident, run_counts, link, t, step):
                 link.q_state[i] = STAGED
                 st[Q_STAGED] += 1
                 progressed = True
-        if st[Q_STAGED] > 0 and link.tstate[LINK_FREE] < t:  # the copy of the head
+        if st[Q_STAGED] > 0 and (link.submission_order or link.tstate[LINK_FREE] < t):  # head's copy
             i = st[Q_HEAD]
             x = link.q_x[i]
             if link.q_state[i] == DROPPED or resident[x] or _stale(link, i, step):
                 _leave(link, x)
             else:
-                if max(link.tstate[LINK_FREE], link.q_ready[i]) >= t:
+                if _submitted_at(link, link.q_ready[i]) >= t:
                     continue
                 end = _copy(run_counts, link, x, link.q_ready[i], link.q_pageable[i])
                 size = link.expert_bytes[x // link.num_experts]
@@ -350,6 +364,7 @@ class ReferenceLink:
         self.ram_budget = int(params.host_ram_budget_bytes)
         self.pinned_budget = int(params.host_pinned_budget_bytes)
         self.cancel_stale = bool(params.options.get("cancel_stale", True))
+        self.submission_order = params.pcie_copy_order == "submission"
         self.prefetch_bytes = 0  # of prefetches queued or in flight
         self.queue: list[_Entry] = []  # from the head; entries before ``staged`` passed stage one
         self.staged = 0
@@ -454,12 +469,13 @@ class ReferenceLink:
                     e.ready, e.state = self._read(e.x, e.enqueued), STAGED
                     self.staged += 1
                     progressed = True
-            if self.staged > 0 and self.link_free_us < t:
+            if self.staged > 0 and (self.submission_order or self.link_free_us < t):
                 e = self.queue[0]
                 if e.state == DROPPED or self.sim.resident[e.x] or self._stale(e, step):
                     self._leave(e.x)
                 else:
-                    if max(self.link_free_us, e.ready) >= t:
+                    submitted = e.ready if self.submission_order else max(self.link_free_us, e.ready)
+                    if submitted >= t:
                         continue
                     start, end = self._copy(e.x, e.ready, e.pageable)
                     self.sim.count(RunCount.BACKGROUND_BYTES, self._size(e.x))

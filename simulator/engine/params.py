@@ -60,6 +60,7 @@ class SimParams:
     host_pinned_budget_bytes: int = -1  # of host RAM, the most recently used bytes pinned; -1 all
     token_fixed_us: float = 0.0  # once per group (a token's host synchronisation)
     step_fixed_us: float = 0.0  # once per step, with the non-expert compute
+    pcie_copy_order: str = "priority"  # or "submission" (simulator/engine/link.py)
 
     def __post_init__(self):
         if self.pcie_idle_latency_us is None:

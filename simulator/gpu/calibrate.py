@@ -170,6 +170,7 @@ def build_profile(
     gpu_memory_bytes: int | None = None,
     token_fixed_us: float | None = None,
     step_fixed_us: float | None = None,
+    copy_order: str | None = None,
 ) -> dict:
     """A profile dict of the schema ``simulator.hardware`` reads; validated before return.
     Optional terms left as None stay out of it (the engine's defaults apply)."""
@@ -197,6 +198,8 @@ def build_profile(
     }
     if idle_latency_us is not None:
         profile["pcie"]["idle_latency_us"] = _sig(idle_latency_us)
+    if copy_order is not None:
+        profile["pcie"]["copy_order"] = copy_order
     if gpu_memory_bytes:
         profile["gpu"]["memory_bytes"] = int(gpu_memory_bytes)
     for field, value in (("token_fixed_us", token_fixed_us), ("step_fixed_us", step_fixed_us)):
@@ -239,6 +242,8 @@ def render_profile_yaml(profile: dict, header: Sequence[str] = ()) -> str:
         *field("pcie", "idle_latency_us", "the same for a copy on an idle link (isolated copies at expert size)"),
         *field("pcie", "bandwidth_gbps", "GB/s (1e9 bytes/s), pinned host memory (burst fit)"),
         *field("pcie", "pageable_bandwidth_gbps", "copies from pageable host memory (isolated, at expert size)"),
+        *field("pcie", "copy_order", "a synchronous copy behind background copies on a low-priority stream "
+               "waits for them (submission) or overtakes them (priority)"),
         "ssd:",
         *field("ssd", "latency_us", "O_DIRECT reads of expert size back to back (read-then-copy "
                "pipelines; without them random QD1 reads of 1 MiB and more)"),
@@ -337,6 +342,70 @@ def measure_h2d(device, sizes: Sequence[int], reps: int, streams: int = 4) -> li
             log(f"h2d {kind:8s} {size / MIB:9.3f} MiB: {t:9.1f} us  ({size / t / 1e3:6.1f} GB/s)")
         del src
     return out
+
+
+COPY_ORDER_QUEUED = 4  # background copies submitted ahead of the synchronous one
+
+
+def measure_copy_order(device, size: int, reps: int, queued: int = COPY_ORDER_QUEUED) -> dict | None:
+    """How a synchronous host-to-device copy meets background copies already submitted.
+
+    Per repetition: ``queued`` copies of ``size`` bytes on a low-priority stream, then one on a
+    high-priority stream, all submitted at once after a marker event; the times (us from the
+    marker) at which the last background copy and the synchronous copy end, and the synchronous
+    copy alone. ``pcie.copy_order`` is ``submission`` where the synchronous copy ends after the
+    background copies (the device served them in submission order, whatever the stream
+    priority), ``priority`` where it overtook them. None on the CPU (no device queue).
+    """
+    if device.type != "cuda":
+        return None
+    torch = import_torch()
+    src = torch.empty((queued + 1) * size, dtype=torch.uint8).pin_memory()
+    dst = torch.empty((queued + 1) * size, dtype=torch.uint8, device=device)
+    high, low = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)
+
+    def event(stream):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+
+    def part(j):
+        return slice(j * size, (j + 1) * size)
+
+    rows = []
+    for rep in range(reps + 1):  # the first one warms up
+        torch.cuda.synchronize()
+        mark = event(high)
+        low.wait_event(mark)
+        with torch.cuda.stream(low):
+            for j in range(queued):
+                dst[part(j)].copy_(src[part(j)], non_blocking=True)
+            low_end = event(low)
+        with torch.cuda.stream(high):
+            dst[part(queued)].copy_(src[part(queued)], non_blocking=True)
+            high_end = event(high)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(high):
+            alone0 = event(high)
+            dst[part(queued)].copy_(src[part(queued)], non_blocking=True)
+            alone1 = event(high)
+        torch.cuda.synchronize()
+        if rep:
+            rows.append((mark.elapsed_time(low_end) * 1e3, mark.elapsed_time(high_end) * 1e3,
+                         alone0.elapsed_time(alone1) * 1e3))
+    out = dict(bytes=size, queued=queued, background_end_us=[r[0] for r in rows],
+               sync_end_us=[r[1] for r in rows], sync_alone_us=[r[2] for r in rows])
+    out["order"] = copy_order_of(out)
+    log(f"copy order: {queued} background copies of {size / MIB:.2f} MiB end at "
+        f"{median(out['background_end_us']):.0f} us, the synchronous copy behind them at "
+        f"{median(out['sync_end_us']):.0f} us (alone {median(out['sync_alone_us']):.0f} us): {out['order']}")
+    return out
+
+
+def copy_order_of(sample: dict) -> str:
+    """``submission`` if the synchronous copy ended after the background ones (medians), else
+    ``priority``."""
+    return "submission" if median(sample["sync_end_us"]) > median(sample["background_end_us"]) else "priority"
 
 
 def measure_ssd_reads(path: Path, block: int, pattern: str, qd: int, seconds: float, max_reads: int,
@@ -823,6 +892,7 @@ def measure_all(args) -> dict:
 
     lo, hi = 64 * KIB, samples["max_copy_bytes"]
     samples["h2d"] = measure_h2d(device, copy_sizes(lo, hi, expert_sizes), args.reps)
+    samples["copy_order"] = measure_copy_order(device, max(expert_sizes), args.reps)
 
     samples["ssd"], samples["read_copy"], ssd_note = [], [], "not measured (--skip-ssd)"
     if not args.skip_ssd:
@@ -1022,7 +1092,10 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
     method = (
         f"moe-calibrate: host-to-device copies timed with {'CUDA events' if cuda else 'the wall clock'} "
         f"({copy_fit} fit over 64 KiB-{samples['max_copy_bytes'] // MIB} MiB, {kind}; idle latency: isolated "
-        f"copies at expert size); SSD "
+        f"copies at expert size"
+        + ("; copy order: a synchronous copy behind background copies on a low-priority stream"
+           if samples.get("copy_order") else "")
+        + "); SSD "
         + ("reads back to back (read-then-copy pipelines, fit over expert sizes)" if ssd_b2b
            else "random QD1 fit")
         + f", {samples['ssd_note']}; experts {expert_mode} ({expert_key}: "
@@ -1038,6 +1111,7 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
         samples_file=samples_file, gpu_memory_bytes=gpu_memory_bytes(facts),
         token_fixed_us=statistics.mean(max(0.0, f["token_fixed_us"]) for f in fixed.values()) if fixed else None,
         step_fixed_us=statistics.mean(max(0.0, f["step_fixed_us"]) for f in fixed.values()) if fixed else None,
+        copy_order=copy_order_of(samples["copy_order"]) if samples.get("copy_order") else None,
     )
     pcie = profile["pcie"]
     for m, f in fixed.items():  # what the model charges for the copies the sequence added
