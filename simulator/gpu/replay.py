@@ -1025,6 +1025,12 @@ def _tiered(row: dict) -> bool:
     return row["hardware"].get("host_ram_bytes") is not None
 
 
+def _prefetching(measured: dict) -> bool:
+    """Whether a section's runs prefetch (their rows are held to every row <= ROW_TOLERANCE too)."""
+    return any(o.startswith("prefetch.predictor=") and o != "prefetch.predictor=none"
+               for r in measured["runs"] for o in r["overrides"])
+
+
 def _error_stats(rows: list[dict]) -> tuple[float, float]:
     errs = [abs(r["rel_err"]) for r in rows]
     return statistics.mean(errs), max(errs)
@@ -1157,8 +1163,11 @@ def render_validation(sections: list[tuple[dict, list[dict]]], profile: dict, pr
     w("## Summary\n\n| shape and trace | rows | mean abs. error | max abs. error | target | met |\n"
       "|---|---:|---:|---:|---|:---:|\n")
     for measured, rows in sections:
-        for label, part, target in (("", [r for r in rows if not _tiered(r)], SHAPE_TARGET),
-                                    (", SSD path", [r for r in rows if _tiered(r)], (ROW_TOLERANCE, ROW_TOLERANCE))):
+        flat = [r for r in rows if not _tiered(r)]
+        every_row = (ROW_TOLERANCE, ROW_TOLERANCE)
+        for label, part, target in (("", flat, SHAPE_TARGET),
+                                    (", prefetch rows", flat if _prefetching(measured) else [], every_row),
+                                    (", SSD path", [r for r in rows if _tiered(r)], every_row)):
             if not part:
                 continue
             mean, worst = _error_stats(part)
