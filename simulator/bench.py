@@ -312,7 +312,7 @@ def _yardstick(source, fetch_all: dict, model: list[str], repeats: int) -> dict:
 
     meta = source.meta
     params = sim_params(meta, POLICIES["fetch_all+lru"] + model)
-    capacity = int(params.pool_budget_bytes[0] // int(meta.expert_bytes[0]))
+    capacity = int(params.pool_budget_bytes[0] // int(params.expert_bytes[0]))  # the model's sizes
     experts = np.concatenate([c.experts for c in source.iter_chunks(logits=False)])
     engine_hits = simulate(source, params).layer_hits
     hits = lru_hits(experts, meta.num_experts, capacity)  # compiles or loads; not timed
