@@ -19,8 +19,9 @@ host memory (``--host-layers`` layers of them; the trace's layer l reads host la
 is a tier of the plan's size, pinned and pageable buffers, and the experts beyond it are read
 from an expert file (``--ssd-file``) with O_DIRECT into the tier's buffers by a reader thread,
 one read after another in the plan's order, each not before the GPU reached the step that
-decided it. Per step, on the compute stream: wait for the background transfers the simulator
-completes at this step, the non-expert layer (the kernels ``moe-calibrate`` times), the
+decided it. Per step, on the compute stream: the non-expert layer (the kernels
+``moe-calibrate`` times), then, as the simulator's expert phase begins, a wait for the
+background transfers it completes by then (docs/semantics.md: completions by t1), the
 synchronous fetches as real host-to-device copies (each after its read), then the real SwiGLU
 experts of every rank (hit, fetched or substitute) in one grouped kernel per step (``batched``,
 the default with Triton) or a CUDA graph per slot. Background transfers (every source the
@@ -781,13 +782,14 @@ class Executor:
                     else:
                         t0 = time.perf_counter()
                     while s < n and group[s] == g:
+                        nonexpert[layer_of[s]]()
+                        if s in gates:
+                            progress.put(progress.nonexpert_done, s, self._event(self.compute))
+                        # the expert phase: the background copies the simulator completes by now
                         for k in range(w_off[s], w_off[s + 1]):
                             ev = progress.get(progress.copied, w[k])
                             if ev is not None:
                                 self.compute.wait_event(ev)
-                        nonexpert[layer_of[s]]()
-                        if s in gates:
-                            progress.put(progress.nonexpert_done, s, self._event(self.compute))
                         for k in range(f_off[s], f_off[s + 1]):
                             x, slot, src, buf, read = f[k]
                             if read >= 0:
