@@ -168,6 +168,7 @@ def kernel_chunk(chunk: TraceChunk, meta: TraceMeta) -> Chunk:
         experts=kernel_array(chunk.experts, np.int32),
         gates=kernel_array(chunk.gates, np.float32),
         logits=kernel_array(chunk.logits, np.float32),
+        logit_bits=np.zeros((0, L, meta.num_experts), np.uint16),
         group=kernel_array(chunk.group, np.int64),
         phase=kernel_array(chunk.phase, np.int8),
         next_use=np.zeros((0, L, k), np.int32),
