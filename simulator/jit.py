@@ -53,7 +53,8 @@ def specialise(fn, variants: dict, inline: bool = False):
     fingerprints are removed. ``variants`` may also bind other specialised functions (a step of
     the kernel compiled apart); ``inline=True`` inlines the result into its callers.
     """
-    tag = ".".join(m.__name__.rsplit(".", 1)[-1] for m in variants.values() if isinstance(m, ModuleType))
+    tag = ".".join([m.__name__.rsplit(".", 1)[-1] for m in variants.values() if isinstance(m, ModuleType)]
+                   + [f"{k}={int(v)}" for k, v in variants.items() if isinstance(v, bool | int)])
     fp = SOURCES_FINGERPRINT
     namespace = dict(fn.__globals__, **variants)
     f = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -43,13 +43,15 @@ from simulator.metrics import (
     RunCount,
     build_result,
 )
-from simulator.policies import chosen, modules
+from simulator.policies import chosen, modules, reads_frequency
 from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 
 # The policy modules the kernels call, and the trim step; bound per compiled kernel by
 # simulator.jit.specialise.
 eviction = miss_rule = miss_action = substitute = admission = predictor = prefetch = None
 _trim_step = _fetch_step = None
+# whether any chosen variant reads core.freq (simulator.policies.reads_frequency); bound per kernel
+TRACK_FREQUENCY = True
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -118,13 +120,15 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
         while b < T and group[b] == g:
             b += 1
         decode = phase[a] == PHASE_DECODE
-        inc = core.fstate[INC] / c.lfu_decay
-        if inc > LFU_RENORMALISE_ABOVE:
-            for x in range(X):
-                core.freq[x] = core.freq[x] / inc
-            inc = inc / inc
-            eviction.on_rescale(core, ev, c)
-        core.fstate[INC] = inc
+        inc = core.fstate[INC]
+        if TRACK_FREQUENCY:
+            inc = inc / c.lfu_decay
+            if inc > LFU_RENORMALISE_ABOVE:
+                for x in range(X):
+                    core.freq[x] = core.freq[x] / inc
+                inc = inc / inc
+                eviction.on_rescale(core, ev, c)
+            core.fstate[INC] = inc
         eviction.on_group(core, ev, c, ch, a, b)
         group_start = core.fstate[CLOCK]
         core.fstate[CLOCK] += c.token_fixed_us
@@ -144,16 +148,19 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             stamp = core.istate[STAMP]
 
             # selections: frequency and the policy's view advance; selected experts are marked
+            # (a prefill step's unique experts listed)
             n_unique = 0
             for t in range(a, b):
                 for i in range(K):
                     x = base + experts[t, layer, i]
-                    core.freq[x] += inc
+                    if TRACK_FREQUENCY:
+                        core.freq[x] += inc
                     eviction.on_select(core, ev, c, ch, t, layer, i, x, p, s)
                     if core.mark[x] != stamp:
                         core.mark[x] = stamp
-                        core.uniq[n_unique] = x
-                        n_unique += 1
+                        if not decode:
+                            core.uniq[n_unique] = x
+                            n_unique += 1
 
             t1 = t0 + c.nonexpert_us[layer]
             # the expert phase starts: background transfers completed by t1 become resident,
@@ -294,11 +301,13 @@ class Kernels(NamedTuple):
 
 
 @functools.cache
-def kernels(names: tuple[tuple[str, str], ...]) -> Kernels:
-    """The kernels compiled for one choice of variants (``(family, variant)`` pairs)."""
+def kernels(names: tuple[tuple[str, str], ...], track_frequency: bool = True) -> Kernels:
+    """The kernels compiled for one choice of variants (``(family, variant)`` pairs);
+    ``track_frequency``: whether they count selections in ``core.freq`` (some variant reads it)."""
     chosen_modules = modules(dict(names))
     steps = {"_trim_step": specialise(_trim, chosen_modules, inline=True),
-             "_fetch_step": specialise(_fetch, chosen_modules, inline=True)}
+             "_fetch_step": specialise(_fetch, chosen_modules, inline=True),
+             "TRACK_FREQUENCY": bool(track_frequency)}
     return Kernels(specialise(_run_chunk, dict(chosen_modules, **steps)),
                    specialise(_warm, chosen_modules))
 
@@ -312,7 +321,7 @@ class KernelSimulator:
         self.params = params
         self.layout = make_layout(params, meta)
         names = chosen(params)
-        self.kernels = kernels(tuple(names.items()))
+        self.kernels = kernels(tuple(names.items()), reads_frequency(params))
         mods = modules(names)
         self.consts = make_consts(params, self.layout)
         self.core = make_core_state(params, self.layout)

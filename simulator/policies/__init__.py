@@ -12,6 +12,10 @@ same meaning; each family's package docstring lists the hooks. Families:
 - ``predictor``: which experts a later layer will select (none, lookahead, ...);
 - ``prefetch``: background transfers of predicted experts (none, topp).
 
+A variant whose kernel hooks read the engine's selection frequencies (``core.freq``) says so
+with ``READS_FREQUENCY = True``: the kernel skips counting them when no chosen variant does
+(:func:`reads_frequency`).
+
 A variant's own settings are an ``Options`` dataclass in its module (one field per setting,
 with help text); moe-sim exposes them under the family's config section.
 """
@@ -118,7 +122,7 @@ def chosen(params) -> dict[str, str]:
     rule = reg["miss_rule"][params.miss_rule]
     action = params.miss_action
     leaves = rule.can_leave_misses(rule.make_state(params), params.top_k)
-    substitutes = leaves and reg["miss_action"][action].USES_SUBSTITUTES
+    substitutes = _substitutes(params)
     return {
         "eviction": params.eviction,
         "miss_rule": params.miss_rule,
@@ -128,6 +132,21 @@ def chosen(params) -> dict[str, str]:
         "predictor": params.predictor if params.prefetch != "none" else "none",
         "prefetch": params.prefetch if params.predictor != "none" else "none",
     }
+
+
+def reads_frequency(params) -> bool:
+    """Whether a variant ``params`` runs reads ``core.freq`` in the kernel (``READS_FREQUENCY``),
+    a substitute only where it can act: else the kernel need not count selections."""
+    names = chosen(params)
+    reg = registries()
+    return any(getattr(reg[family][names[family]], "READS_FREQUENCY", False)
+               for family in FAMILIES if family != "substitute" or _substitutes(params))
+
+
+def _substitutes(params) -> bool:
+    rule = registries()["miss_rule"][params.miss_rule]
+    return (rule.can_leave_misses(rule.make_state(params), params.top_k)
+            and registries()["miss_action"][params.miss_action].USES_SUBSTITUTES)
 
 
 def modules(names: Mapping[str, str]) -> dict[str, ModuleType]:

@@ -26,6 +26,7 @@ from simulator.policies.eviction._base import (
 )
 
 on_select, on_group = ignore_select, ignore_group
+READS_FREQUENCY = True  # core.freq orders the heap
 
 
 class State(NamedTuple):

@@ -12,6 +12,7 @@ from simulator.policies.predictor._base import StatelessReference, no_observe, n
 from simulator.policies.predictor._ranked import insert_ranked, ranked
 
 NEEDS_LOOKAHEAD = False
+READS_FREQUENCY = True  # core.freq ranks the predictions
 TRAIN_TOKENS = None
 State, make_state, observe = NoState, no_state, no_observe
 

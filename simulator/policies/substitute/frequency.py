@@ -7,6 +7,7 @@ from simulator.policies import NoState, no_state
 from simulator.policies.substitute._rank import best_scored, rank_residents, take_next
 
 NEEDS_LOGITS = False
+READS_FREQUENCY = True  # core.freq ranks the candidates
 
 
 State, make_state = NoState, no_state
