@@ -59,16 +59,19 @@ paper: env
 
 # Prefetch against substitution (docs/PREFETCH.md): the second fixture's trace (512 experts,
 # top-10, look-ahead routing) at Qwen3-Next-80B-A3B expert sizes, on the measured H200 and the
-# paper's RTX 3090 host with 16 GB of host RAM and an NVMe SSD; three strategies with and without
-# look-ahead prefetch at 10 / 25 / 50 % resident (36 runs, about half a minute), then the report
-# and the prefetch table and plot (runs/prefetch/report/prefetch.md, prefetch.png).
+# paper's RTX 3090 host with 16 GB of host RAM and an NVMe SSD, each with the device's copy order
+# (background copies submitted at once and served in order, as measured on the H200) and with an
+# engine that holds its background queue (priority); three strategies with and without look-ahead
+# prefetch at 10 / 25 / 50 % resident (72 runs, about a minute), then the report and the prefetch
+# table and plot (runs/prefetch/report/prefetch.md, prefetch.png).
 PREFETCH_DIR ?= runs/prefetch
 PREFETCH_TRACE ?= traces/samples/fixture2.parquet
 prefetch: env
 	rm -rf $(PREFETCH_DIR)
 	$(BIN)/moe-sim -m trace.path=$(PREFETCH_TRACE) model=qwen3_next_80b_a3b model.sizes_only=true \
-	  hardware=h200_measured,rtx3090_16gb policy=fetch_all,quality_first,speed_first \
-	  prefetch.predictor=none,lookahead cache.fraction=0.1,0.25,0.5 hydra.sweep.dir=$(PREFETCH_DIR)
+	  hardware=h200_measured,rtx3090_16gb ++hardware.pcie.copy_order=submission,priority \
+	  policy=fetch_all,quality_first,speed_first prefetch.predictor=none,lookahead cache.fraction=0.1,0.25,0.5 \
+	  hydra.sweep.dir=$(PREFETCH_DIR)
 	$(BIN)/moe-report $(PREFETCH_DIR)
 	$(PY) -m analysis.prefetch $(PREFETCH_DIR)
 

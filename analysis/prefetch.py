@@ -22,6 +22,7 @@ from traces.atomic import atomic_write_bytes, output_errors
 from traces.errors import InputError
 
 MIB = 2**20
+COPY_ORDER = "hardware.pcie.copy_order"  # a host of the sweep may run with both (make prefetch)
 NEEDED = ("policy.name", "prefetch.predictor", "hardware.name", "cache.fraction", "ms_per_token",
           "mean_mass", "hit_rate", "decode_tokens", "prefetches", "useful_prefetches",
           "late_prefetches", "prefetch_bytes", "wasted_prefetch_bytes")
@@ -41,13 +42,23 @@ def load(report: Path) -> pl.DataFrame:
         raise InputError(f"{report}: no completed run")
     label = pl.when(pl.col("prefetch.predictor") == "none").then(pl.col("policy.name")).otherwise(
         pl.col("policy.name") + " + prefetch (" + pl.col("prefetch.predictor") + ")")
-    return df.with_columns(label=label).sort("hardware.name", "cache.fraction", "label")
+    return df.with_columns(label=label, host=_host(df)).sort("host", "cache.fraction", "label")
+
+
+def _host(df: pl.DataFrame) -> pl.Expr:
+    """The profile's name, with its copy order where the sweep ran one profile with both."""
+    if COPY_ORDER not in df.columns:
+        return pl.col("hardware.name")
+    order = pl.col(COPY_ORDER).fill_null("priority")
+    both = order.n_unique().over("hardware.name") > 1
+    return pl.when(both).then(pl.col("hardware.name") + ", copy order " + order).otherwise(
+        pl.col("hardware.name"))
 
 
 def table(df: pl.DataFrame) -> str:
     """One Markdown table per host."""
     out = []
-    for (host,), rows in df.group_by("hardware.name", maintain_order=True):
+    for (host,), rows in df.group_by("host", maintain_order=True):
         out += [f"### {host}", "",
                 "| resident | strategy | ms/token | mean mass | hit rate | prefetches/token | useful | late "
                 "| wasted MiB/token |",
@@ -66,12 +77,12 @@ def table(df: pl.DataFrame) -> str:
 
 def plot(df: pl.DataFrame) -> Figure:
     """Time per token and mean substituted mass against the cache fraction, a row per host."""
-    hosts = df["hardware.name"].unique(maintain_order=True).to_list()
+    hosts = df["host"].unique(maintain_order=True).to_list()
     policies = df["policy.name"].unique(maintain_order=True).to_list()
     fig = Figure(figsize=(11, 3.6 * len(hosts)), layout="constrained", dpi=110)
     axes = fig.subplots(len(hosts), 2, squeeze=False)
     for row, host in zip(axes, hosts, strict=True):
-        mine = df.filter(pl.col("hardware.name") == host)
+        mine = df.filter(pl.col("host") == host)
         for (label,), runs in mine.group_by("label", maintain_order=True):
             runs = runs.sort("cache.fraction")
             prefetch = runs["prefetch.predictor"][0] != "none"
