@@ -27,6 +27,7 @@ basic launcher: a simulation ahead of its task would see neither.
 from __future__ import annotations
 
 import contextvars
+import copy
 import logging
 import shutil
 import sys
@@ -165,18 +166,79 @@ def _close(pool: ThreadPoolExecutor, traces: SharedTraces) -> None:
 
 class _KeepComposed:
     """A config loader passing every job config it composes for the launcher's sweep to
-    ``composed(overrides, config)``; otherwise the loader it wraps."""
+    ``composed(overrides, config)``; otherwise the loader it wraps.
+
+    A job whose overrides differ from an earlier job's of the sweep only in the values of plain
+    ``key=value`` overrides (no config group, no hydra key, no add or delete, each key once)
+    starts from a copy of that job's config: Hydra's own override step
+    (``_apply_overrides_to_config``) sets the differing values, and the job's records of its
+    overrides (``hydra.overrides.task``, ``hydra.job.override_dirname``) are rewritten as
+    Hydra writes them. That is what composing it again gives (tests/test_launcher.py compares
+    every job file with the basic launcher's), without reading and merging the config tree
+    again, most of a small job's fixed cost.
+    """
 
     def __init__(self, loader, master: DictConfig, composed):
         self._loader, self._master, self._composed = loader, master, composed
+        self._bases: dict[tuple, tuple[list, DictConfig]] = {}
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
-        config = self._loader.load_sweep_config(master_config, sweep_overrides)
-        if master_config is self._master:
-            self._composed(tuple(sweep_overrides), config)
+        if master_config is not self._master:
+            return self._loader.load_sweep_config(master_config, sweep_overrides)
+        parsed = self._plain(sweep_overrides)
+        signature = None if parsed is None else tuple(
+            (o.key_or_group, None if value else o.input_line) for o, value in parsed)
+        if signature in self._bases:
+            config = self._from_base(master_config, parsed, *self._bases[signature])
+        else:
+            config = self._loader.load_sweep_config(master_config, sweep_overrides)
+            if signature is not None:
+                self._bases[signature] = ([o for o, _ in parsed], copy.deepcopy(config))
+        self._composed(tuple(sweep_overrides), config)
+        return config
+
+    def _plain(self, overrides: list[str]):
+        """``[(Override, is a plain value override)]``, or None where the sweep's overrides are
+        not all single values with distinct keys (then every job is composed)."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.core.override_parser.types import OverrideType
+
+        try:
+            parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+        except Exception:  # Hydra reports it when it composes the job
+            return None
+        keys = [o.key_or_group for o in parsed]
+        if len(set(keys)) != len(keys) or any(o.is_sweep_override() for o in parsed):
+            return None
+        repository = getattr(self._loader, "repository", None)
+        if repository is None:
+            return None
+        out = []
+        for o in parsed:
+            group = o.package is not None or repository.group_exists(o.key_or_group.replace(".", "/"))
+            plain = (not group and not o.is_hydra_override() and o.type == OverrideType.CHANGE)
+            out.append((o, plain))
+        return out
+
+    @staticmethod
+    def _from_base(master: DictConfig, parsed, base_overrides: list, base: DictConfig) -> DictConfig:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+
+        changed = [o for (o, plain), b in zip(parsed, base_overrides, strict=True)
+                   if plain and o.input_line != b.input_line]
+        config = copy.deepcopy(base)
+        ConfigLoaderImpl._apply_overrides_to_config(changed, config)
+        task = [o for o, _ in parsed if not o.is_hydra_override()]
+        with open_dict(config.hydra):
+            config.hydra.overrides.task = [o.input_line for o in task]
+            conf = config.hydra.job.config.override_dirname
+            config.hydra.job.override_dirname = get_overrides_dirname(
+                overrides=task, exclude_keys=list(conf.exclude_keys), item_sep=conf.item_sep,
+                kv_sep=conf.kv_sep)
+        OmegaConf.copy_cache(from_config=master, to_config=config)
         return config
 
 

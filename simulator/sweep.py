@@ -142,14 +142,26 @@ class SweepProgress(Callback):
         if str(hc.mode) != "RunMode.MULTIRUN":
             return
         sweep_dir = Path(hc.sweep.dir)
-        total = None
-        multirun = sweep_dir / "multirun.yaml"
-        if multirun.exists():
-            total = sweep_size(OmegaConf.load(multirun).hydra.overrides.task)
+        total = _sweep_total(sweep_dir / "multirun.yaml")
         status = job_status(job_return) if job_return is not None else None
         done = claim_finish_number(sweep_dir / PROGRESS_DIR, status or COMPLETED)
         of = f"/{total}" if total else ""
         write_line(f"[sweep] {done}{of} jobs finished (job {hc.job.num}: {status or 'done'})")
+
+
+_TOTALS: dict[tuple[str, int, int], int | None] = {}  # multirun.yaml (path, mtime, size) -> jobs
+
+
+def _sweep_total(multirun: Path) -> int | None:
+    """The sweep's job count from its multirun.yaml (None without one), read once per file."""
+    try:
+        st = multirun.stat()
+    except OSError:
+        return None
+    key = (str(multirun), st.st_mtime_ns, st.st_size)
+    if key not in _TOTALS:
+        _TOTALS[key] = sweep_size(OmegaConf.load(multirun).hydra.overrides.task)
+    return _TOTALS[key]
 
 
 def write_line(line: str) -> None:

@@ -200,3 +200,29 @@ def test_a_regular_install_ships_the_plugin(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(str(target))
     assert "'hydra_plugins.moe_sim_launcher.InProcessLauncher'" in proc.stdout
+
+
+COUNT_COMPOSES = """
+import atexit
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+composed = []
+load = ConfigLoaderImpl.load_sweep_config
+def counted(self, master, overrides):
+    composed.append(list(overrides))
+    return load(self, master, overrides)
+ConfigLoaderImpl.load_sweep_config = counted
+atexit.register(lambda: print(f"composed: {len(composed)}"))
+"""
+
+
+def test_jobs_differing_in_values_only_are_composed_once(trace, tmp_path):
+    """2 policies (a config group) x 3 fractions (a value): two compositions, the other four
+    jobs copied from them (their files equal the basic launcher's: the test above)."""
+    sweep = [f"trace.path={trace}", "policy=fetch_all,rule015", "cache.fraction=0.1,0.25,0.5"]
+    proc = moe_sim("-m", *sweep, f"hydra.sweep.dir={tmp_path / 's'}", code=COUNT_COMPOSES,
+                   cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "composed: 2" in proc.stdout
+    fractions = [json.loads((tmp_path / "s" / str(n) / "summary.json").read_text())["provenance"]
+                 ["config"]["cache"]["fraction"] for n in range(6)]
+    assert fractions == [0.1, 0.25, 0.5] * 2
