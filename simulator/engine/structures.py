@@ -126,7 +126,7 @@ def _place(h, q, x, k1, k2, off):
     h.slot[x] = q - off
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def _sift_up(h, pos, off):
     q = off + pos
     x = h.items[q]
@@ -142,7 +142,7 @@ def _sift_up(h, pos, off):
     _place(h, off + pos, x, k1, k2, off)
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
 def _sift_down(h, pos, off, n):
     q = off + pos
     x = h.items[q]
