@@ -374,11 +374,13 @@ def test_every_problem_of_a_profile_file_is_reported_at_once(trace, tmp_path):
         p["source"] = "guess"
         p["pcie"]["latency_us"] = -1
         p["gpu"]["expert_fixed_uss"] = p["gpu"].pop("expert_fixed_us")
+        p["pcie"]["copy_order"] = "fifo"
 
     proc = moe_sim(f"trace.path={trace}", f"hardware={_profile_file(tmp_path, edit)}")
     line = assert_one_error_line(proc, "hardware.source", "hardware.pcie.latency_us",
-                                 "hardware.gpu.expert_fixed_uss", "'hardware.gpu.expert_fixed_us'")
-    assert line.count("; ") == 3
+                                 "hardware.gpu.expert_fixed_uss", "'hardware.gpu.expert_fixed_us'",
+                                 "'hardware.pcie.copy_order' must be one of priority, submission")
+    assert line.count("; ") == 4
 
 
 def test_missing_profile_files_and_mixed_sweeps_are_one_line(trace, tmp_path):
