@@ -245,12 +245,12 @@ def test_fixed_costs_are_the_sequence_beyond_its_parts():
     token 120 us above its layers: step_fixed_us 3, token_fixed_us 120; a negative residue is 0."""
     samples = _samples()
     samples.pop("fixed", None)  # samples of a calibration without the sequence timings
-    profile, _ = profile_from_samples(samples, "x", None)
+    profile, fits = profile_from_samples(samples, "x", None)
     assert "token_fixed_us" not in profile["gpu"]  # no term: the engine charges 0
     extra = {"qwen3_next_80b_a3b": (3.0, 120.0), "qwen3_30b_a3b": (-2.0, 120.0)}
     samples["fixed"] = {}
     for m, (step, token) in extra.items():
-        c, d = profile["compute"][m], samples["models"][m]
+        c, d = fits["compute"][m], samples["models"][m]  # unrounded: the residues are exact
         seq = c["nonexpert_layer_us"] + d["top_k"] * c["gpu_expert_us"] + step
         samples["fixed"][m] = dict(layers=d["num_layers"], top_k=d["top_k"], copy_bytes=6 * MIB, copies=[1],
                                    nonexpert_us=[c["nonexpert_layer_us"]], experts_us=[d["top_k"] * c["gpu_expert_us"]],
