@@ -16,9 +16,10 @@ submits a copy only when the link is idle): a synchronous copy goes ahead of eve
 copy not yet started but waits for one already running; ``submission`` (the engine submits each
 background copy to the device once it is queued and its read is done; the device serves
 host-to-device copies in submission order whatever the stream priority, as measured on the
-H200): a synchronous copy also waits for every background copy submitted before it. Background transfers form one FIFO
-queue with two cursors: a read cursor (first stages: the read, or for an expert in RAM nothing
-but the tier access) runs ahead of the copy cursor, so the queue's reads overlap its copies.
+H200): a synchronous copy also waits for every background copy submitted before it.
+Background transfers form one FIFO queue with two cursors: a read cursor (first stages: the
+read, or for an expert in RAM nothing but the tier access) runs ahead of the copy cursor, so the
+queue's reads overlap its copies.
 
 Kernel side: :class:`LinkState` and the jitted functions (an expert is at most once in the
 queue or in flight, so the rings hold L*E entries). Reference side: :class:`ReferenceLink`, the
