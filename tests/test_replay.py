@@ -21,6 +21,7 @@ from simulator.gpu.replay import (
     load_plans,
     plan_run,
     render_validation,
+    repeat_spread,
     save_plans,
     speedups,
     verify_plan,
@@ -320,7 +321,7 @@ def test_tier_runs_need_a_ram_limit_that_holds_an_expert(tiny_trace):
             plan_run(params, source.meta, source.chunk, "r", "fetch_all", 0.25, [])
 
 
-def test_the_ssd_path_end_to_end_on_the_cpu(tmp_path, tiny_trace_file):
+def test_the_ssd_path_end_to_end_on_the_cpu(tmp_path, tiny_trace_file, monkeypatch):
     """Plan with a host-RAM limit, run with reads from an expert file, compare: the SSD table."""
     pytest.importorskip("torch")
     plan, out, doc = tmp_path / "plan.npz", tmp_path / "out", tmp_path / "V.md"
@@ -331,10 +332,18 @@ def test_the_ssd_path_end_to_end_on_the_cpu(tmp_path, tiny_trace_file):
     with pytest.raises(SystemExit) as stop:  # the plan reads from disk: no expert file, no run
         replay.main(["run", "--plan", str(plan), "--device", "cpu", "--out", str(out)])
     assert stop.value.code == 2 and not out.exists()
+    logged = []
+    monkeypatch.setattr(replay, "log", logged.append)
     replay.main(["run", "--plan", str(plan), "--device", "cpu", "--out", str(out),
-                 "--ssd-file", str(tmp_path / "experts.bin"), "--ssd-file-mib", "1"])
+                 "--ssd-file", str(tmp_path / "experts.bin"), "--ssd-file-mib", "1", "--repeats", "2"])
     measured = json.loads((out / "replay.json").read_text())
     assert measured["host_layers"] == 0  # every copy comes from the tier
+    # the executions go round the runs: every run once, then every run again
+    order = [(line.split()[0].split("@")[0], line.split()[2].rstrip(":")) for line in logged if " rep " in line]
+    assert order == [("rule015", "0"), ("speed_first", "0"), ("rule015", "1"), ("speed_first", "1")], order
+    for r in measured["runs"]:
+        assert len(r["repeat_ms_per_token"]) == 2
+        assert r["measured_ms_per_token"] == pytest.approx(sum(r["repeat_ms_per_token"]) / 2)
     _, runs = load_plans(plan)
     for r in measured["runs"]:
         assert r["hardware"]["host_pinned_bytes"] == r["hardware"]["host_ram_bytes"] // 2
@@ -346,6 +355,12 @@ def test_the_ssd_path_end_to_end_on_the_cpu(tmp_path, tiny_trace_file):
     assert "## tiny, host RAM limited (4 layers x 16 experts, top-2)" in text
     assert "### The SSD path" in text and "| tiny, host RAM limited (4 layers x 16 experts, top-2), SSD path | 2 |" in text
     assert text.count("| rule015 | 25% | ") == 1 and "### Time per decode token" not in text
+    assert "| repeats, ms/token | spread |" in text and "Measured is the mean of 2 executions per run" in text
+
+
+def test_repeat_spread():
+    assert repeat_spread([10.0]) is None and repeat_spread([]) is None
+    assert repeat_spread([9.0, 10.0, 11.0]) == pytest.approx(0.2)
 
 
 def test_a_failing_reader_stops_the_run_with_its_error(tmp_path, tiny_trace_file, monkeypatch):
