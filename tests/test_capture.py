@@ -514,6 +514,17 @@ def test_lookahead_settings_are_checked_before_the_model_runs():
             storage(**bad)
 
 
+def test_writer_settings_are_checked_before_the_model_runs():
+    from traces.capture.capture import check_config
+
+    for bad, words in [({"writer": "fork"}, "writer=fork is not valid; choose one of: processes, threads"),
+                       ({"writers": -1}, "writers=-1 must be >= 0")]:
+        with pytest.raises(InputError, match=words):  # before the input paths are looked at
+            check_config(CaptureConfig(**bad))
+    with pytest.raises(InputError, match="input.paths is empty"):
+        check_config(CaptureConfig(writer="threads"))
+
+
 def _tiny_model_dir(tmp_path) -> Path:
     tiny_config("qwen3_moe").save_pretrained(tmp_path / "m")
     _tiny_tokenizer(tmp_path / "m")
@@ -552,9 +563,10 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     out = tmp_path / "bench.json"
     bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
                 "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
-                "--lookahead-depth", "1", "--writers", "2", "--out", str(out)])
+                "--lookahead-depth", "1", "--writers", "2", "--writer", "processes,threads", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert [r["batch_size"] for r in result["runs"]] == [1, 4] and result["device"] == "cpu"
+    assert [(r["writer"], r["batch_size"]) for r in result["runs"]] == [
+        ("processes", 1), ("processes", 4), ("threads", 1), ("threads", 4)] and result["device"] == "cpu"
     for r in result["runs"]:
         assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x") and r["writers"] == 2
         assert r["tokens"] == 200
@@ -563,4 +575,5 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         assert (fwd - 0.5) / (cap + 0.5) - 1e-3 <= 1 + r["capture_overhead_pct"] / 100 <= (fwd + 0.5) / (cap - 0.5) + 1e-3
         assert 0 <= r["writer_wait_pct"] <= 100
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert len(table) == 2 and table[1].split("|")[3].strip() == "4"
+    assert len(table) == 4 and [line.split("|")[3:5] for line in table][1:3] == [
+        [" 2 processes ", " 4 "], [" 2 threads ", " 1 "]]

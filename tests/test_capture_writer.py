@@ -36,12 +36,14 @@ def blocks(cols, cuts):
     return [{k: v[a:b] for k, v in cols.items()} for a, b in zip(edges, edges[1:], strict=False)]
 
 
-@pytest.mark.parametrize(("unit_tokens", "workers"), [(7, 3), (64, 2), (1000, 1)])
-def test_parallel_writer_writes_what_one_writer_writes(tmp_path, unit_tokens, workers):
+@pytest.mark.parametrize(("unit_tokens", "workers", "processes"),
+                         [(7, 3, False), (64, 2, False), (1000, 1, False), (7, 3, True), (1000, 1, True)])
+def test_parallel_writer_writes_what_one_writer_writes(tmp_path, unit_tokens, workers, processes):
     meta, cols = trace_columns()
     with TraceWriter(tmp_path / "one.parquet", meta) as writer:
         writer.write(**cols)
-    with ParallelTraceWriter(tmp_path / "many.parquet", meta, unit_tokens=unit_tokens, workers=workers) as writer:
+    with ParallelTraceWriter(tmp_path / "many.parquet", meta, unit_tokens=unit_tokens, workers=workers,
+                             processes=processes) as writer:
         for block in blocks(cols, [3, 50, 51, 200]):
             writer.write(**block)
         assert writer.num_tokens == 300
@@ -104,12 +106,14 @@ def test_joined_file_is_the_parts_one_after_the_other(tmp_path):
     assert not (tmp_path / "bad.parquet").exists()
 
 
-def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path):
+@pytest.mark.parametrize("processes", [False, True])
+def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path, processes):
     meta, cols = trace_columns()
     cols["logits"] = cols["logits"].copy()
     cols["logits"][250, 1, 3] = np.nan
     path = tmp_path / "t.parquet"
-    with pytest.raises(InputError) as caught, ParallelTraceWriter(path, meta, unit_tokens=16, workers=2) as writer:
+    with pytest.raises(InputError) as caught, \
+            ParallelTraceWriter(path, meta, unit_tokens=16, workers=2, processes=processes) as writer:
         for block in blocks(cols, [100, 200]):
             writer.write(**block)
     assert str(caught.value).startswith(f"{path}: column 'logits'") and "NaN" in str(caught.value)
@@ -121,19 +125,22 @@ def test_tokens_out_of_order_across_units_are_refused_as_one_writer_refuses_them
     cols["pos"] = cols["pos"].copy()
     cols["pos"][20:] -= 3  # token 20 (seq 0 pos 17) starts the third unit and repeats a position
     errors = []
-    for name, writer in [("one", TraceWriter), ("many", lambda p, m: ParallelTraceWriter(p, m, 10, workers=2))]:
+    for name, writer in [("one", TraceWriter), ("many", lambda p, m: ParallelTraceWriter(p, m, 10, workers=2)),
+                         ("processes", lambda p, m: ParallelTraceWriter(p, m, 10, workers=2, processes=True))]:
         path = tmp_path / f"{name}.parquet"
         with pytest.raises(InputError) as caught, writer(path, meta) as w:
             w.write(**cols)
         errors.append(str(caught.value).replace(str(path), "PATH"))
-    assert errors[0] == errors[1] and "seq 0 pos 17: comes after" in errors[0]
+    assert errors[0] == errors[1] == errors[2] and "seq 0 pos 17: comes after" in errors[0]
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_error_while_writing_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("processes", [False, True])
+def test_an_error_while_writing_leaves_nothing(tmp_path, processes):
     meta, cols = trace_columns()
     path = tmp_path / "t.parquet"
-    with pytest.raises(RuntimeError, match="stop"), ParallelTraceWriter(path, meta, unit_tokens=16) as writer:
+    with pytest.raises(RuntimeError, match="stop"), \
+            ParallelTraceWriter(path, meta, unit_tokens=16, processes=processes) as writer:
         writer.write(**blocks(cols, [100])[0])
         raise RuntimeError("stop")
     assert list(tmp_path.iterdir()) == []
@@ -148,28 +155,29 @@ def test_an_empty_capture_is_refused_as_a_single_writer_refuses_it(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def parallel_and_single(tmp_path, unit_tokens, workers, **trace):
+def parallel_and_single(tmp_path, unit_tokens, workers, processes=False, **trace):
     """The same tokens written by TraceWriter (one.parquet) and ParallelTraceWriter (many.parquet)."""
     meta, cols = trace_columns(**trace)
     one, many = tmp_path / "one.parquet", tmp_path / "many.parquet"
     with TraceWriter(one, meta) as writer:
         writer.write(**cols)
-    with ParallelTraceWriter(many, meta, unit_tokens=unit_tokens, workers=workers) as writer:
+    with ParallelTraceWriter(many, meta, unit_tokens=unit_tokens, workers=workers, processes=processes) as writer:
         for block in blocks(cols, [3, 50, 51, 200]):
             writer.write(**block)
     return one, many
 
 
-@pytest.mark.parametrize(("unit_tokens", "workers", "top_r"), [(7, 3, 6), (64, 2, 0), (1000, 1, 6)])
+@pytest.mark.parametrize(("unit_tokens", "workers", "top_r", "processes"),
+                         [(7, 3, 6, False), (64, 2, 0, False), (1000, 1, 6, False), (64, 2, 6, True)])
 def test_the_joined_file_records_the_content_hash_and_metadata_one_writer_records(
-        tmp_path, capsys, unit_tokens, workers, top_r):
-    one, many = parallel_and_single(tmp_path, unit_tokens, workers, top_r=top_r)
+        tmp_path, capsys, unit_tokens, workers, top_r, processes):
+    one, many = parallel_and_single(tmp_path, unit_tokens, workers, processes, top_r=top_r)
     assert recorded_content_hash(many) == recorded_content_hash(one) is not None
     assert pq.read_metadata(many).metadata == pq.read_metadata(one).metadata  # moe_trace, its SHA-256, ...
     assert cli_main(["info", str(many), "--verify"]) == 0
     assert f"content {recorded_content_hash(one)} and every page checksum verified" in capsys.readouterr().out
     (tmp_path / "other").mkdir()
-    _, other = parallel_and_single(tmp_path / "other", unit_tokens, workers, top_r=top_r, seed=5)
+    _, other = parallel_and_single(tmp_path / "other", unit_tokens, workers, processes, top_r=top_r, seed=5)
     assert recorded_content_hash(other) != recorded_content_hash(many)  # it covers the tokens
 
 
@@ -215,3 +223,28 @@ def test_the_join_compares_every_metadata_entry_but_the_content_hash_and_records
     assert pq.read_table(tmp_path / "plain.parquet")["x"].to_pylist() == [0, 1, 2, 3, 4, 1, 2, 3, 4, 5]
     concat_parquet([tmp_path / "plain.parquet"], tmp_path / "again.parquet")
     assert pq.read_metadata(tmp_path / "again.parquet").metadata is None
+
+
+def test_an_encoder_process_that_dies_fails_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    """A killed encoder process: one error naming what happened, no file, no parts; the next
+    writer starts a new encoder and writes."""
+    from traces.capture import writer as writer_module
+
+    meta, cols = trace_columns()
+    path = tmp_path / "t.parquet"
+    real = writer_module._Encoder.write_unit
+
+    def dies(self, *args):
+        self.proc.kill()
+        self.proc.wait()
+        return real(self, *args)
+
+    monkeypatch.setattr(writer_module._Encoder, "write_unit", dies)
+    with pytest.raises(RuntimeError, match="trace encoder process exited"), \
+            ParallelTraceWriter(path, meta, unit_tokens=64, workers=1, processes=True) as w:
+        w.write(**cols)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(writer_module._Encoder, "write_unit", real)
+    with ParallelTraceWriter(path, meta, unit_tokens=64, workers=1, processes=True) as w:
+        w.write(**cols)
+    assert read_trace(path)[1].num_tokens == 300

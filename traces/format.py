@@ -776,7 +776,10 @@ def _lookahead_problem(meta: TraceMeta, cols: dict[str, np.ndarray], first) -> P
 
 def _repeats(ids: np.ndarray) -> np.ndarray:
     """bool[...]: the last axis of ``ids`` lists an id twice."""
-    ranked = np.sort(ids, axis=-1)
+    if ids.dtype.itemsize > 2 and ids.size and np.iinfo(np.int16).min <= ids.min() and ids.max() <= np.iinfo(np.int16).max:
+        ids = ids.astype(np.int16)
+    # stable: numpy sorts 16-bit integers by radix, 2-3x faster than its default on short rows
+    ranked = np.sort(ids, axis=-1, kind="stable")
     return (ranked[..., 1:] == ranked[..., :-1]).any(axis=-1)
 
 

@@ -2,8 +2,8 @@
 
 Three variants over the same windows and batches: ``forward`` (the model alone), ``hooks``
 (router hooks, NLL, top-R selection and copies to the host; rows discarded) and ``capture``
-(hooks plus the capture's trace writer, file closed). Each is timed ``repeats`` times after one
-warm-up pass; the median counts. The capture settings are moe-capture's defaults unless given
+(hooks plus the capture's trace writer, file closed). After one warm-up pass of each, they are
+timed in ``repeats`` rounds (forward, hooks, capture, then again); each one's median counts. The capture settings are moe-capture's defaults unless given
 (``--logits``, ``--lookahead-depth``, ``--writers``). Prints a Markdown table:
 
     python -m traces.capture.bench --model traces/fixtures/model --input capture.jsonl --out bench.json
@@ -15,6 +15,7 @@ cards on hosts without it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -45,15 +46,19 @@ def _forward_only(model, windows, batch_size: int) -> None:
     _sync(model.device)
 
 
-def _timed(fn, repeats: int) -> tuple[float, object]:
-    """(median seconds of ``repeats`` calls after a warm-up call, the last call's result)."""
-    fn()  # warm-up: kernels, allocator, first writer
-    times, result = [], None
+def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict]:
+    """Median seconds of each of ``fns`` over ``repeats`` rounds (one call of each per round, in
+    turn), after a warm-up call of each; and each function's last result. Rounds, not one
+    function's repeats back to back: a host whose speed drifts over the minutes of a run then
+    moves every variant alike instead of showing up as one variant's overhead."""
+    results = {name: fn() for name, fn in fns.items()}  # warm-up: kernels, allocator, first writer
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}, results
 
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
@@ -70,18 +75,20 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
 
     def capture() -> dict:
         meta = build_meta(model, sites, name, domains, cfg, {}, probs)
-        with tempfile.TemporaryDirectory() as tmp, open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers) as w:
+        with tempfile.TemporaryDirectory() as tmp, \
+                open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer) as w:
             return capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
                                    logits_are_probs=probs)
 
-    t_fwd, _ = _timed(lambda: _forward_only(model, windows, cfg.batch_size), repeats)
-    t_hooks, _ = _timed(hooks, repeats)
-    t_cap, stats = _timed(capture, repeats)
+    t, last = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks,
+                             "capture": capture}, repeats)
+    t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
     return {
         "logits": cfg.logits,
         "lookahead": _lookahead_label(cfg.lookahead),
         "batch_size": cfg.batch_size,
         "writers": _workers(cfg),
+        "writer": cfg.writer,
         "tokens": tokens,
         "forward_tokens_per_s": round(tokens / t_fwd),
         "hooks_tokens_per_s": round(tokens / t_hooks),
@@ -106,14 +113,15 @@ def _lookahead_label(la: LookaheadConfig) -> str:
 def overhead_table(bench: dict) -> list[str]:
     """The Markdown table of one bench result (``--out`` JSON), a line per run."""
     lines = [
-        "| logits | look-ahead | batch (windows) | forward only, tok/s | + recording, tok/s | + trace writer, "
-        "tok/s | recording overhead | recording + writer overhead | loop waiting for the writer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| logits | look-ahead | encoders | batch (windows) | forward only, tok/s | + recording, tok/s | "
+        "+ trace writer, tok/s | recording overhead | recording + writer overhead | loop waiting for the writer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in bench["runs"]:
         wait = f"{r['writer_wait_pct']:.1f} %" if "writer_wait_pct" in r else "n/a"
+        encoders = f"{r['writers']} {r.get('writer', 'threads')}" if "writers" in r else "1 thread"
         lines.append(
-            f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {r['batch_size']} | "
+            f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
             f"{r['hooks_overhead_pct']:+.1f} % | {r['capture_overhead_pct']:+.1f} % | {wait} |"
         )
@@ -135,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"logits storages to measure, comma-separated (default: moe-capture's, {defaults.logits})")
     p.add_argument("--lookahead-depth", type=int, default=0,
                    help="also record look-ahead routing this many layers ahead (moe-capture's other defaults)")
-    p.add_argument("--writers", type=int, default=defaults.writers, help="encoding threads; 0: moe-capture's default")
+    p.add_argument("--writers", type=int, default=defaults.writers, help="encoders; 0: moe-capture's default")
+    p.add_argument("--writer", default=defaults.writer,
+                   help=f"encoders in processes or threads, comma-separated (default: {defaults.writer})")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
@@ -157,14 +167,15 @@ def main(argv: list[str] | None = None) -> None:
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
-    for logits in args.logits.split(","):
-        for bs in (int(x) for x in args.batch_sizes.split(",")):
-            cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, lookahead=lookahead)
-            r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
-            results["runs"].append(r)
-            print(f"{name} logits={logits} batch {bs}: forward {r['forward_tokens_per_s']} tok/s, "
-                  f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
-                  f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %)", flush=True)
+    for logits, writer, bs in itertools.product(args.logits.split(","), args.writer.split(","),
+                                                (int(x) for x in args.batch_sizes.split(","))):
+        cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, writer=writer,
+                      lookahead=lookahead)
+        r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
+        results["runs"].append(r)
+        print(f"{name} logits={logits} writer={writer} batch {bs}: forward {r['forward_tokens_per_s']} tok/s, "
+              f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
+              f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %)", flush=True)
     if args.out:
         atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "

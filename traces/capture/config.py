@@ -62,6 +62,8 @@ class CaptureConfig:
     logits: str = "top:64"
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     batch_size: int = 16  # windows per forward (teacher_forced) or sequences decoded together
-    writers: int = 0  # threads encoding the trace's row groups in parallel; 0 = half the CPU cores, at most 8
+    writers: int = 0  # encoders of the trace's row groups, in parallel; 0 = half the CPU cores, at most 8
+    # processes (encoders in child processes: the model's thread keeps the GIL) | threads (in this process)
+    writer: str = "processes"
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal

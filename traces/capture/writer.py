@@ -14,11 +14,24 @@ The content hash (:class:`traces.format.ContentHash`) is one SHA-256 stream per 
 order, so it cannot be computed per unit and combined: the thread that appends a unit also feeds
 the unit's stored columns to the file's hash, in unit order, and the units themselves are
 written without one. The file records the hash a single writer of the same tokens records.
+
+``processes=True`` (the capture's default): each worker thread hands its unit to a process of a
+shared pool and waits, so the encoding runs outside the capture's interpreter. Encoder threads
+share the GIL with the thread that drives the model: every time the model's forward waits for
+the device and wants the GIL back, it can wait up to a switch interval behind an encoder, which
+cost captures of a 48-layer model 40 % of their speed on the GPU host. The process returns the
+unit's stored columns (for the hash) and its footer; the threads still append in unit order.
 """
 from __future__ import annotations
 
+import atexit
+import mmap
 import os
+import pickle
 import queue
+import subprocess
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -37,6 +50,165 @@ def default_workers() -> int:
     return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
 
 
+class _Shared:
+    """A file in shared memory (/dev/shm where there is one), mapped; both processes map it by path."""
+
+    def __init__(self, nbytes: int, path: str | None = None):
+        if path is None:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, path = tempfile.mkstemp(prefix="moe-trace-encoder-", dir=folder)
+            os.ftruncate(fd, nbytes)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        self.path, self.size = path, nbytes
+        try:
+            self.map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+
+    def close(self, unlink: bool = False) -> None:
+        self.map.close()
+        if unlink:
+            Path(self.path).unlink(missing_ok=True)
+
+
+def _layout(cols: dict[str, np.ndarray]) -> tuple[list[tuple[str, str, tuple, int]], int]:
+    """Where each column goes in a shared block: (name, dtype, shape, offset) and the bytes in all."""
+    layout, offset = [], 0
+    for name, value in cols.items():
+        layout.append((name, value.dtype.str, value.shape, offset))
+        offset += -(-value.nbytes // 64) * 64
+    return layout, offset
+
+
+def _views(block: mmap.mmap, layout) -> dict[str, np.ndarray]:
+    return {name: np.ndarray(shape, np.dtype(dtype), buffer=block, offset=offset)
+            for name, dtype, shape, offset in layout}
+
+
+class _Encoder:
+    """A child interpreter that writes units (``python -m traces.capture.writer``).
+
+    Started as a plain subprocess, so nothing of the capturing program (its main module, CUDA, its
+    threads) is imported or inherited. A unit's columns go through a block of shared memory (one
+    copy in), the arguments and the reply through its stdin and stdout; the child leaves the
+    unit's stored columns (for the file's hash) in a second block, which is copied out.
+    """
+
+    def __init__(self):
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding the traces package
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen([sys.executable, "-m", "traces.capture.writer"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.blocks: tuple[_Shared, _Shared] | None = None
+
+    def _blocks(self, nbytes: int) -> tuple[_Shared, _Shared]:
+        if self.blocks is None or self.blocks[0].size < nbytes:
+            self._free_blocks()
+            size = max(nbytes, 2 * self.blocks[0].size if self.blocks else 0, mmap.PAGESIZE)
+            self.blocks = (_Shared(size), _Shared(size))
+        return self.blocks
+
+    def write_unit(self, part, meta, unit_tokens, after, cols):
+        layout, nbytes = _layout(cols)
+        block_in, block_out = self._blocks(nbytes)
+        for name, view in _views(block_in.map, layout).items():
+            view[...] = cols[name]
+        try:
+            pickle.dump((block_in.path, block_out.path, block_in.size, layout, part, meta, unit_tokens, after),
+                        self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.flush()
+            ok, value = pickle.load(self.proc.stdout)
+        except (EOFError, BrokenPipeError, pickle.UnpicklingError):
+            self.close()
+            raise RuntimeError(f"a trace encoder process exited (code {self.proc.poll()}); "
+                               "its error, if any, is printed above") from None
+        if not ok:
+            raise value
+        footer, start, stored = value
+        if isinstance(stored, list):  # in the second block: copy out before the block is reused
+            stored = {name: view.copy() for name, view in _views(block_out.map, stored).items()}
+        return footer, start, stored
+
+    def _free_blocks(self) -> None:
+        if self.blocks is not None:
+            for block in self.blocks:
+                block.close(unlink=True)
+            self.blocks = None
+
+    def close(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        self.proc.wait()
+        self._free_blocks()
+
+
+_IDLE: list[_Encoder] = []  # started encoders, kept for the next writer (a capture bench opens one per pass)
+_IDLE_LOCK = threading.Lock()
+
+
+def _take_encoder() -> _Encoder:
+    with _IDLE_LOCK:
+        if _IDLE:
+            return _IDLE.pop()
+    return _Encoder()
+
+
+def _give_back(encoder: _Encoder) -> None:
+    if encoder.proc.poll() is None:
+        with _IDLE_LOCK:
+            _IDLE.append(encoder)
+
+
+@atexit.register
+def _close_encoders() -> None:
+    with _IDLE_LOCK:
+        for encoder in _IDLE:
+            encoder.close()
+        _IDLE.clear()
+
+
+def _serve() -> None:
+    """The encoder process's loop (:class:`_Encoder`): a unit's columns from the first shared
+    block, its stored columns into the second (or in the reply when they do not fit)."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    mapped: dict[str, _Shared] = {}
+    while True:
+        try:
+            path_in, path_out, size, layout, part, meta, unit_tokens, after = pickle.load(stdin)
+        except EOFError:
+            return
+        try:
+            for path in (path_in, path_out):
+                if path not in mapped or mapped[path].size != size:
+                    if path in mapped:
+                        mapped.pop(path).close()
+                    mapped[path] = _Shared(size, path)
+            for path in [p for p in mapped if p not in (path_in, path_out)]:
+                mapped.pop(path).close()  # blocks the writer replaced
+            footer, start, stored = _write_unit(part, meta, unit_tokens, after, _views(mapped[path_in].map, layout))
+            out_layout, nbytes = _layout(stored)
+            if nbytes <= size:
+                for name, view in _views(mapped[path_out].map, out_layout).items():
+                    view[...] = stored[name]
+                stored = out_layout
+            reply = (True, (footer, start, stored))
+        except BaseException as e:  # noqa: BLE001 - every error goes back to the writer
+            reply = (False, e)
+        pickle.dump(reply, stdout, protocol=pickle.HIGHEST_PROTOCOL)
+        stdout.flush()
+
+
+def _write_unit(part: Path, meta: TraceMeta, unit_tokens: int, after, cols: dict[str, np.ndarray]):
+    """Write one unit as a trace file without a content hash: (footer, start, stored columns)."""
+    with TraceWriter(part, meta, row_group_tokens=unit_tokens, record_content=False, after=after) as writer:
+        stored = writer.write(**cols)
+    return (*read_footer(part), stored)
+
+
 class ParallelTraceWriter:
     """Writes whole tokens to a trace file like :class:`TraceWriter`, encoding row groups in parallel.
 
@@ -48,7 +220,8 @@ class ParallelTraceWriter:
     no file at ``path`` and no hidden files.
     """
 
-    def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None):
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None,
+                 processes: bool = False):
         self.path = Path(path)
         self.meta = meta
         meta.check(str(self.path))
@@ -58,6 +231,7 @@ class ParallelTraceWriter:
             raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
         self.unit_tokens = unit_tokens
         self.workers = workers or default_workers()
+        self._processes = processes
         self.num_tokens = 0
         self._pending: list[dict[str, np.ndarray]] = []
         self._pending_tokens = 0
@@ -110,16 +284,28 @@ class ParallelTraceWriter:
         self._pending_tokens = n - whole
 
     def _encode(self) -> None:
+        encoder = None
+        try:
+            encoder = _take_encoder() if self._processes else None
+        except OSError as e:
+            self._error = e
+        try:
+            self._encode_units(encoder)
+        finally:
+            if encoder is not None:
+                _give_back(encoder)
+
+    def _encode_units(self, encoder: _Encoder | None) -> None:
         while (item := self._units.get()) is not None:
             index, after, cols = item
             if self._error is not None or self._cancelled:
                 continue  # drain the queue; close() reports the error
             part = temp_path(self.path.with_name(f"{self.path.name}.part{index:06d}"))
             try:
-                with TraceWriter(part, self.meta, row_group_tokens=self.unit_tokens, record_content=False,
-                                 after=after) as writer:
-                    stored = writer.write(**cols)
-                self._append_in_order(index, (part, *read_footer(part), stored))
+                args = (part, self.meta, self.unit_tokens, after, cols)
+                # with an encoder process, this thread waits for it without the GIL
+                footer, start, stored = encoder.write_unit(*args) if encoder else _write_unit(*args)
+                self._append_in_order(index, (part, footer, start, stored))
             except InputError as e:  # bad rows: name the file the caller asked for
                 self._error = InputError(str(e).replace(str(part), str(self.path)))
             except BaseException as e:  # re-raised in the writing thread
@@ -194,3 +380,7 @@ class ParallelTraceWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         (self.close if exc_type is None else self.abort)()  # an error inside the block: no file
+
+
+if __name__ == "__main__":
+    _serve()
