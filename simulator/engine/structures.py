@@ -197,16 +197,11 @@ def heap_rebuild(h, c, p, key1, key2):
         _sift_down(h, pos, off, n)
 
 
-@jit(allocates=False)
-def heap_victim(h, off, p, stamp, key1, key2, mark):
-    """Remove and return pool p's victim in key order, residents marked ``stamp`` last.
-
-    ``off``: the pool's segment start; ``key1[x]``, ``key2[x]``: each resident's current key. A
-    stored key may lag behind (keys that only grow are refreshed lazily): a stale key at the top
-    is refreshed and sifted down before the top is trusted. Marked residents are set aside (in
-    key order), taken back as victims once the heap is empty, and the rest pushed back by
-    :func:`heap_end_trim`.
-    """
+@jit(allocates=False, inline=True)
+def _pop_unmarked(h, off, p, stamp, key1, key2, mark):
+    """Pop pool p's entries in key order until one not marked ``stamp``; return it, or -1 when
+    the heap ran out (the marked ones popped are set aside, in key order). Stale stored keys at
+    the top are refreshed and sifted down first."""
     while h.count[p] > 0:
         top = h.items[off]
         k1 = key1[top]
@@ -225,9 +220,53 @@ def heap_victim(h, off, p, stamp, key1, key2, mark):
             return top
         h.aside[h.trim[0]] = top
         h.trim[0] += 1
+    return -1
+
+
+@jit(allocates=False)
+def heap_victim(h, off, p, stamp, key1, key2, mark):
+    """Remove and return pool p's victim in key order, residents marked ``stamp`` last.
+
+    ``off``: the pool's segment start; ``key1[x]``, ``key2[x]``: each resident's current key. A
+    stored key may lag behind (keys that only grow are refreshed lazily): a stale key at the top
+    is refreshed and sifted down before the top is trusted. Marked residents are set aside (in
+    key order), taken back as victims once the heap is empty, and the rest pushed back by
+    :func:`heap_end_trim`.
+    """
+    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark)
+    if x >= 0:
+        return x
     x = h.aside[h.trim[1]]
     h.trim[1] += 1
     return x
+
+
+@jit(allocates=False)
+def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held):
+    """:func:`heap_victim` for a pool whose residents are in the heap or *held* out of it:
+    ``held[off : off + n_held[p]]``, each marked ``stamp`` (admitted in this step; the caller
+    pushes the others first). Once no unmarked resident is left, the victim is the least key of
+    the set-aside and the held ones."""
+    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark)
+    if x >= 0:
+        return x
+    n = n_held[p]
+    best = -1
+    for i in range(n):
+        y = held[off + i]
+        if best < 0 or _before(key1[y], key2[y], y, key1[best], key2[best], best):
+            best = y
+    if h.trim[1] < h.trim[0]:
+        x = h.aside[h.trim[1]]
+        if best < 0 or _before(key1[x], key2[x], x, key1[best], key2[best], best):
+            h.trim[1] += 1
+            return x
+    for i in range(n):
+        if held[off + i] == best:
+            held[off + i] = held[off + n - 1]
+            n_held[p] = n - 1
+            break
+    return best
 
 
 @jit(allocates=False)
