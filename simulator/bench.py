@@ -70,6 +70,7 @@ LCS_FRACTION = 0.25  # libCacheSim comparison: one global cache of this share of
 MANY_FRACTIONS = (0.125, 0.25)  # simulate_many: every policy at each of these cache fractions
 SCALE_SHAPE = SHAPES[0]
 SCALE_POLICIES = ("fetch_all+lru", "quality_first")  # the first also streamed from Parquet
+FIRST_RUN_POLICIES = ("fetch_all+lru", "quality_first")  # each also run from Parquet, no trace cache
 # Why the missed targets are missed: profiles of the kernel at commit c0d2a0f (perf samples
 # mapped onto the kernel's machine code; Qwen3-Next trace of 2,000 tokens, per-layer cache 25 %).
 # Kept here, beside the code that measures, so the report states them; re-profile after kernel
@@ -120,6 +121,8 @@ TARGETS = {
     # fetch_all + LRU against the minimal kernel with the same hits (simulator/yardstick.py)
     "fetch_all_ns_per_lookup": 9.0,
     "fetch_all_over_yardstick": 1.5,
+    # a first run from Parquet (no trace cache): the kernel's share of its CPU time
+    "first_run_kernel_share": 0.4,
 }
 
 
@@ -277,6 +280,7 @@ def _work_shape(task: dict) -> dict:
         out["policies"][name] = row
 
     out["yardstick"] = _yardstick(source, out["policies"]["fetch_all+lru"], model, repeats)
+    out["first_run"] = _first_run(task["trace"], meta, model, repeats)
 
     # one-pass miss-ratio curve against the per-size runs it replaces
     E = meta.num_experts
@@ -319,6 +323,24 @@ def _yardstick(source, fetch_all: dict, model: list[str], repeats: int) -> dict:
     cpu = [_timed(lambda: lru_hits(experts, meta.num_experts, capacity))[1] for _ in range(repeats)]
     return {"cpu_s": cpu, "lookups": int(experts.size), "capacity": capacity,
             "equal": bool(np.array_equal(hits, engine_hits)), "engine_cpu_s": fetch_all["cpu_s"]}
+
+
+def _first_run(trace: str, meta, model: list[str], repeats: int) -> dict:
+    """CPU s of a run straight from the Parquet file (no trace cache: what a first run pays) per
+    FIRST_RUN_POLICIES; the kernel's part is the same run's CPU from the trace cache."""
+    from simulator.engine import read_options, simulate
+    from traces.format import open_trace
+
+    out = {}
+    for name in FIRST_RUN_POLICIES:
+        params = sim_params(meta, POLICIES[name] + model)
+        cpu = []
+        for _ in range(repeats):
+            with open_trace(trace) as reader:
+                _, c, _ = _timed(lambda r=reader, p=params: simulate(r, p))
+            cpu.append(c)
+        out[name] = {"parquet_cpu_s": cpu, "reads_logits": bool(read_options(params)["logits"])}
+    return out
 
 
 def _same_result(a, b) -> bool:
@@ -624,6 +646,13 @@ def _targets(fig: dict) -> list[tuple[str, str, str, bool | None]]:
                      "(Qwen3-Next, equal hits)", f"{ratio:.2f}x" + ("" if y["equal"] else " (hits DIFFER)"),
                      f"{ratio / TARGETS['fetch_all_over_yardstick']:.2f}x limit",
                      ratio <= TARGETS["fetch_all_over_yardstick"] and y["equal"]))
+    fr = fig["shapes"][SHAPES[0].name].get("first_run", {}).get("fetch_all+lru")
+    if fr:
+        share = _med(first["fetch_all+lru"]["cpu_s"]) / _med(fr["parquet_cpu_s"])
+        rows.append((f"kernel >= {TARGETS['first_run_kernel_share']:.0%} of a first run's CPU from Parquet "
+                     "(fetch_all + LRU, Qwen3-Next, full logits)", f"{share:.0%}",
+                     f"{share / TARGETS['first_run_kernel_share']:.2f}x target",
+                     share >= TARGETS["first_run_kernel_share"]))
     ratios = [_med(p["ref_cpu_s"]) / _med(p["ref_numba_cpu_s"])
               for s in fig["shapes"].values() for p in s["policies"].values()]
     rows.append(("Numba >= 100x reference (every shape and policy)",
@@ -826,6 +855,19 @@ def render(fig: dict) -> str:
             for name, s in fig["shapes"].items()]
     out.append(_table(["trace", "Parquet MiB", "Parquet decode s", "cache build s",
                        "open from cache ms"], rows))
+    rows = []
+    for name, s in fig["shapes"].items():
+        for policy, r in s.get("first_run", {}).items():
+            kernel = _med(s["policies"][policy]["cpu_s"])
+            parquet = _med(r["parquet_cpu_s"])
+            rows.append([name, policy, "yes" if r["reads_logits"] else "no", f"{parquet:.3f}", f"{kernel:.3f}",
+                         f"{kernel / parquet:.0%}"])
+    if rows:
+        out += ["", "A first run, straight from the Parquet file (no trace cache; the columns the policy reads "
+                "are decoded as it streams), against the same run from the trace cache (the kernel alone), "
+                "CPU s, medians:", ""]
+        out.append(_table(["trace", "policy", "reads logits", "from Parquet CPU s", "from the trace cache CPU s",
+                           "kernel share"], rows))
     if "scale" in fig:
         sc, syn = fig["scale"], fig["scale_synth"]
         out += [
