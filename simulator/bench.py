@@ -585,13 +585,14 @@ def run_bench(repeats: int, scale_tokens: int, work_dir: Path, token_scale: floa
 
 
 def _kernel_commit() -> str:
-    """The last commit of the kernel's source (``+`` when the working copy differs), or ``?``."""
-    kernel = Path(__file__).resolve().parent / "engine" / "kernel.py"
+    """The last commit of the engines' and policies' sources (``+`` when the working copy
+    differs), or ``?``."""
+    here = Path(__file__).resolve().parent
+    paths = ["engine", "policies", "jit.py"]
     try:
-        rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", kernel.name], cwd=kernel.parent,
+        rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", *paths], cwd=here,
                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", kernel.name],
-                               cwd=kernel.parent).returncode != 0
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *paths], cwd=here).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "?"
     return (rev or "?") + ("+" if dirty else "")
@@ -694,7 +695,7 @@ def render(fig: dict) -> str:
         "edit by hand.",
         "",
         f"Machine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, numba "
-        f"{numba.__version__}, numpy {np.__version__}; kernel at commit {fig['kernel_commit']}. "
+        f"{numba.__version__}, numpy {np.__version__}; engine and policies at commit {fig['kernel_commit']}. "
         f"Run {fig['started']}, "
         f"{fig['total_s'] / 60:.1f} min; load average {fig['loadavg_start'][0]:.1f} at the start, "
         f"{fig['loadavg_end'][0]:.1f} at the end (other work shares this machine, so wall times "
