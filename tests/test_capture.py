@@ -577,3 +577,13 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
     assert len(table) == 4 and [line.split("|")[3:5] for line in table][1:3] == [
         [" 2 processes ", " 4 "], [" 2 threads ", " 1 "]]
+
+
+@pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
+                                             (["--repeats", "0"], "--repeats 0: rounds must be at least 1")])
+def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
+    from traces.capture import bench
+
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--model", str(tmp_path / "none"), "--input", str(tmp_path), *flag])
+    assert stop.value.code == 2 and words in capsys.readouterr().err

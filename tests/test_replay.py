@@ -461,3 +461,10 @@ def test_background_copies_issued_by_the_compute_thread_run_the_same_plan(tmp_pa
         assert results[mode]["background_from"] == mode
     a, b = (results[m]["runs"][0] for m in ("thread", "compute"))
     assert a["counts"] == b["counts"] and len(a["measured_us"]) == len(b["measured_us"])
+
+
+def test_run_refuses_zero_repeats_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "simulator.gpu.replay", "run", "--plan", str(tmp_path / "p.npz"),
+                           "--repeats", "0", "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    assert done.stderr.strip() == "moe-replay: error: --repeats 0: executions per run must be at least 1"

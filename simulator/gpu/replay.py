@@ -837,6 +837,8 @@ def _guarded(fn, progress: _Progress):
 
 
 def cmd_run(args) -> None:
+    if args.repeats < 1:
+        raise InputError(f"--repeats {args.repeats}: executions per run must be at least 1")
     torch = import_torch()
     device = resolve_device(args.device)
     if device.type == "cpu":

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from traces.atomic import atomic_write_text
-from traces.capture.config import CaptureConfig, LookaheadConfig, ModelConfig
+from traces.capture.config import WRITERS, CaptureConfig, LookaheadConfig, ModelConfig
 
 
 def _sync(device) -> None:
@@ -151,6 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    bad = [w for w in args.writer.split(",") if w not in WRITERS]
+    if bad:
+        p.error(f"--writer {bad[0]} is not valid; choose from: {', '.join(WRITERS)}")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: rounds must be at least 1")
 
     import torch
 

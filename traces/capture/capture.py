@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from traces.atomic import remove_orphans
-from traces.capture.config import CaptureConfig
+from traces.capture.config import WRITERS, CaptureConfig
 from traces.capture.hooks import (
     Lookahead,
     RouterRecorder,
@@ -442,9 +442,6 @@ def _progress(enabled: bool | None, total: int):
 
     return tqdm(total=total, unit="tok", unit_scale=True, disable=None if enabled is None else not enabled,
                 desc="capture", smoothing=0.1)
-
-
-WRITERS = ("processes", "threads")
 
 
 def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer: str = "processes") -> ParallelTraceWriter:

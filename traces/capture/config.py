@@ -50,6 +50,9 @@ class LookaheadConfig:
     logits: str = "top:32"  # top:R (the R highest per layer ahead, with ids; all E when R >= E) | full
 
 
+WRITERS = ("processes", "threads")  # CaptureConfig.writer
+
+
 @dataclass
 class CaptureConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
