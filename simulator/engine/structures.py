@@ -251,22 +251,22 @@ def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held):
     if x >= 0:
         return x
     n = n_held[p]
-    best = -1
+    best = -1  # position in held of the least key
     for i in range(n):
         y = held[off + i]
-        if best < 0 or _before(key1[y], key2[y], y, key1[best], key2[best], best):
-            best = y
+        if best < 0 or _before(key1[y], key2[y], y, key1[held[off + best]], key2[held[off + best]],
+                               held[off + best]):
+            best = i
     if h.trim[1] < h.trim[0]:
         x = h.aside[h.trim[1]]
-        if best < 0 or _before(key1[x], key2[x], x, key1[best], key2[best], best):
+        if best < 0 or _before(key1[x], key2[x], x, key1[held[off + best]], key2[held[off + best]],
+                               held[off + best]):
             h.trim[1] += 1
             return x
-    for i in range(n):
-        if held[off + i] == best:
-            held[off + i] = held[off + n - 1]
-            n_held[p] = n - 1
-            break
-    return best
+    y = held[off + best]
+    held[off + best] = held[off + n - 1]
+    n_held[p] = n - 1
+    return y
 
 
 @jit(allocates=False)

@@ -19,7 +19,6 @@ from the previous field's, and the key-value field may come or go.)
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,27 +254,6 @@ def _joined_footer(first: Footer, groups: bytes, count: int, num_rows: int,
     return bytes(out)
 
 
-def _copy_range(src, dst, offset: int, count: int) -> None:
-    """Append ``count`` bytes of ``src`` from ``offset`` to ``dst`` (at its position): in the kernel
-    where the platform can (no copy through this process), else read and written whole."""
-    dst.flush()
-    copied = 0
-    if hasattr(os, "copy_file_range"):
-        out = dst.tell()
-        try:
-            while copied < count:
-                n = os.copy_file_range(src.fileno(), dst.fileno(), count - copied, offset + copied, out + copied)
-                if n == 0:
-                    break
-                copied += n
-        except OSError:  # a file system without it: the plain copy below
-            pass
-        dst.seek(out + copied)
-    if copied < count:
-        src.seek(offset + copied)
-        dst.write(src.read(count - copied))
-
-
 class ParquetJoin:
     """One Parquet file built from parts appended in order: their bytes copied, their footers merged.
 
@@ -299,8 +277,9 @@ class ParquetJoin:
         elif _unchanged_fields(footer) != self._same:
             raise ValueError(f"{path}: schema or metadata differs from the first part")
         delta = self.f.tell() - len(MAGIC)  # where this part's bytes land, relative to where they were
-        with path.open("rb") as src:
-            _copy_range(src, self.f, len(MAGIC), start - len(MAGIC))
+        with path.open("rb") as src:  # a part is about one row group: read it whole
+            src.seek(len(MAGIC))
+            self.f.write(src.read(start - len(MAGIC)))
         self._groups += _row_groups(footer, delta, self._count)
         self._count += footer.row_groups[0]
         self._num_rows += footer.num_rows
