@@ -359,3 +359,76 @@ def test_a_layer_stack_runs_each_steps_experts(tmp_path):
         for i in ids:
             ref.run(slots[i])
         torch.testing.assert_close(stack.kern.y, ref.y)
+
+
+# --------------------------------------------------------------------------- pooled calibrations
+
+
+def _without_method(profile: dict) -> dict:
+    out = copy.deepcopy(profile)
+    out["host"].pop("method")
+    return out
+
+
+def test_a_calibration_pooled_with_itself_gives_its_profile():
+    """Pooling concatenates each measurement's samples: with a copy of the same samples every
+    median and fit is unchanged, and only the method line says that samples were pooled."""
+    samples = _samples()
+    alone, _ = profile_from_samples(samples, "p", None)
+    pooled_samples = calibrate.pool_samples([samples, copy.deepcopy(samples)], ["a.json", "b.json"])
+    pooled, _ = profile_from_samples(pooled_samples, "p", None)
+    assert _without_method(pooled) == _without_method(alone)
+    assert "pooled over 2 calibrations" in pooled["host"]["method"]
+    first = next(e for e in pooled_samples["h2d"] if e["mode"] == "burst")
+    assert len(first["times_us"]) == 2 * len(next(e for e in samples["h2d"] if e["mode"] == "burst")["times_us"])
+
+
+def test_a_slower_link_later_moves_the_pooled_fit_between_the_two():
+    samples = _samples()
+    later = copy.deepcopy(samples)
+    for e in later["h2d"]:
+        e["times_us"] = [1.5 * t for t in e["times_us"]]
+    for e in later["read_copy"]:
+        e["read_end_us"] = [[2 * t for t in ends] for ends in e["read_end_us"]]
+    first = profile_from_samples(samples, "p", None)[0]
+    second = profile_from_samples(later, "p", None)[0]
+    pooled = profile_from_samples(calibrate.pool_samples([samples, later]), "p", None)[0]
+    for section, field in (("pcie", "bandwidth_gbps"), ("pcie", "idle_latency_us"), ("ssd", "bandwidth_gbps")):
+        lo, hi = sorted((first[section][field], second[section][field]))
+        assert lo < pooled[section][field] < hi, (section, field)
+    assert pooled["compute"] == first["compute"]  # compute comes from the first calibration
+
+
+def test_pooling_refuses_another_host_and_link_only_samples_alone():
+    samples = _samples()
+    other = copy.deepcopy(samples)
+    other["host"]["gpu"] = "NVIDIA RTX 3090"
+    with pytest.raises(InputError, match="host gpu"):
+        calibrate.pool_samples([samples, other], ["a.json", "b.json"])
+    link = {k: v for k, v in samples.items() if k not in calibrate.COMPUTE_SECTIONS}
+    with pytest.raises(InputError, match="gpu_expert.*full calibration"):
+        calibrate.pool_samples([link, copy.deepcopy(link)])
+
+
+def test_a_link_only_calibration_pools_with_a_full_one(tmp_path):
+    """--link-only writes the copies' and the disk's samples only; --from-samples FULL,LINK builds
+    a valid profile whose method says so, and rebuilding from the pooled samples alone gives it."""
+    import json
+
+    path = _expert_file(tmp_path, 16)
+    common = ["--device", "cpu", "--reps", "2", "--models", "qwen3_30b_a3b:3", "--ssd-file", str(path),
+              "--ssd-qds", "1", "--read-copy-experts", "4"]
+    calibrate.main([*common, "--out", str(tmp_path / "full.yaml")])
+    calibrate.main([*common, "--link-only", "--out", str(tmp_path / "end.yaml")])
+    assert not (tmp_path / "end.yaml").exists()
+    link = json.loads((tmp_path / "end.samples.json").read_text())
+    assert "h2d" in link and "read_copy" in link and not set(calibrate.COMPUTE_SECTIONS) & set(link)
+    out = tmp_path / "pooled.yaml"
+    calibrate.main(["--from-samples", f"{tmp_path / 'full.samples.json'},{tmp_path / 'end.samples.json'}",
+                    "--out", str(out)])
+    profile = yaml.safe_load(out.read_text())
+    validate_profile(profile)
+    assert "end.samples.json (copies and disk only)" in profile["host"]["method"]
+    again = tmp_path / "again" / "pooled.yaml"
+    calibrate.main(["--from-samples", str(tmp_path / "pooled.samples.json"), "--out", str(again)])
+    assert yaml.safe_load(again.read_text()) == profile

@@ -418,7 +418,7 @@ def test_summary_needs_no_simulator(tmp_path):
 
 def test_the_validation_script_on_the_cpu(tmp_path, tiny_trace_file):
     """validate.sh's GPU half at tiny shapes (DEVICE=cpu) on tiny plans: every stage runs, and
-    what comes back is at most 8 files, at most 2 folders deep, with the summary table last."""
+    the calibration is measured again (copies and disk) and pooled, with the summary table last."""
     pytest.importorskip("torch")
     plans = tmp_path / "plans"
     common = ["--trace", str(tiny_trace_file), "--profile", str(PROFILE), "--model", "", "--fractions", "0.25"]
@@ -433,10 +433,13 @@ def test_the_validation_script_on_the_cpu(tmp_path, tiny_trace_file):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert files == ["h200_measured.samples.json", "h200_measured.yaml", "qwen3_30b/replay.json",
+    assert files == ["h200_measured.samples.json", "h200_measured.yaml", "h200_measured_end.samples.json",
+                     "h200_pooled.samples.json", "h200_pooled.yaml", "qwen3_30b/replay.json",
                      "qwen3_next/replay.json", "ssd/replay.json", "summary.txt", "validate.log"]
     log = (out / "validate.log").read_text()
-    assert log.count(": done in ") == 4 and "FAILED" not in log
+    assert log.count(": done in ") == 6 and "FAILED" not in log
+    pooled = json.loads((out / "h200_pooled.samples.json").read_text())
+    assert [p["link_only"] for p in pooled["pooled"]] == [False, True]
     summary = (out / "summary.txt").read_text()
     assert summary.count("mean |error|") == 3 and "rule015@0.25+ram" in summary
     assert done.stdout.endswith(summary) and not (tmp_path / "experts.bin").exists()

@@ -20,7 +20,10 @@ It measures, with progress on stderr:
 
 It writes the profile YAML (the schema ``simulator.hardware`` validates) and the raw samples in
 a JSON file beside it (``<profile>.samples.json``), with the fits and the checks derived from
-them (``--from-samples`` rebuilds both from the samples alone). The simulator only reads
+them (``--from-samples`` rebuilds both from the samples alone). ``--link-only`` measures the
+copies and the disk alone and writes only their samples: a second calibration later on the same
+host (at the end of a GPU lease, say), pooled with the first by ``--from-samples FIRST,SECOND``,
+so that the link's drift over the time between them is in the fits. The simulator only reads
 profiles. The kernels (:mod:`simulator.gpu.kernels`) and the disk reads
 (:mod:`simulator.gpu.storage`) are the ones ``moe-replay`` executes.
 """
@@ -83,6 +86,7 @@ __all__ = [
     "build_profile",
     "render_profile_yaml",
     "profile_from_samples",
+    "pool_samples",
     "read_copy_us",
     "main",
 ]
@@ -870,7 +874,7 @@ def measure_all(args) -> dict:
     samples: dict = dict(host=facts, args=vars(args).copy(), checks={}, date=_dt.date.today().isoformat(),
                          models={m: d.__dict__ for m, d in dims.items()}, expert_bytes=expert_sizes,
                          cpu_threads=threads, max_copy_bytes=4 * MIB if cpu else args.max_copy_mib * MIB)
-    for d in dims.values():
+    for d in ([] if args.link_only else dims.values()):
         checks = [("eager", lambda d=d: check_expert_kernel(d.hidden, d.expert_intermediate, device, dtype))]
         if device.type == "cuda":
             checks.append(("graph", lambda d=d: check_expert_kernel(d.hidden, d.expert_intermediate, device, dtype, True)))
@@ -912,6 +916,8 @@ def measure_all(args) -> dict:
             log(f"ssd: {ssd_note}")
     samples["ssd_note"] = ssd_note
     samples["ssd_fallback"] = [float(v) for v in args.ssd_fallback]
+    if args.link_only:
+        return samples
 
     samples["gpu_expert"] = [measure_gpu_expert(device, dtype, h, i, args.reps) for h, i in expert_shapes]
     if batched:
@@ -1027,6 +1033,79 @@ def _fixed_costs(samples: dict, compute: dict) -> dict:
     return out
 
 
+# The samples of the link and the disk, which --from-samples pools over calibrations; each
+# section's entries are matched by these fields (the others are measurements)
+LINK_SECTIONS = {"h2d": ("kind", "mode", "streams", "bytes"), "copy_order": ("bytes", "queued"),
+                 "ssd": ("block_bytes", "pattern", "qd", "pinned"), "read_copy": ("kind", "bytes", "n")}
+COMPUTE_SECTIONS = ("gpu_expert", "nonexpert", "fixed", "cpu_expert")
+SAME_HOST = ("gpu", "pcie", "cpu")  # host facts that must agree between pooled calibrations
+
+
+def _pool_entry(a: dict, b: dict) -> dict:
+    """One measurement's samples from two calibrations: every ``*_us`` list concatenated; the
+    SSD summary (median, p90 over the kept quantiles; reads; bandwidth) recomputed."""
+    out = dict(a)
+    for k, v in b.items():
+        if k.endswith("_us") and isinstance(v, list) and isinstance(a.get(k), list):
+            out[k] = a[k] + v
+    if "reads" in out and "times_us" in out:  # an SSD entry
+        t = sorted(out["times_us"])
+        out.update(reads=a["reads"] + b["reads"], median_us=median(t), p90_us=t[int(0.9 * (len(t) - 1))],
+                   gbps=statistics.mean([a["gbps"], b["gbps"]]), times_us=t)
+    return out
+
+
+def pool_samples(runs: Sequence[dict], names: Sequence[str] = ()) -> dict:
+    """The samples of several calibrations of one host as one set: the link's and the disk's
+    measurements (``LINK_SECTIONS``) pooled entry by entry, so every fit and median is taken
+    over all of them; the compute measurements from the first calibration that has them (a
+    ``--link-only`` calibration has none). Raises InputError when the hosts or the measured
+    sizes differ."""
+    if not runs:
+        raise InputError("--from-samples: name at least one samples JSON")
+    out = json.loads(json.dumps(runs[0]))
+    for i, run in enumerate(runs[1:], 1):
+        what = names[i] if i < len(names) else f"calibration {i + 1}"
+        for key in SAME_HOST:
+            if run["host"].get(key) != out["host"].get(key):
+                raise InputError(f"--from-samples: {what} has host {key} {run['host'].get(key)!r}, the first "
+                                 f"{out['host'].get(key)!r}; pool calibrations of one host only")
+        if run["expert_bytes"] != out["expert_bytes"] or run["max_copy_bytes"] != out["max_copy_bytes"]:
+            raise InputError(f"--from-samples: {what} measured other sizes (expert_bytes, max_copy_bytes); "
+                             f"calibrate both with the same --models and --max-copy-mib")
+        for section, fields in LINK_SECTIONS.items():
+            theirs = run.get(section)
+            if not theirs:
+                continue
+            if isinstance(theirs, dict):  # one entry (copy_order)
+                mine = out.get(section)
+                out[section] = _pool_entry(mine, theirs) if mine else theirs
+                continue
+            index = {tuple(e.get(f) for f in fields): j for j, e in enumerate(out.get(section) or [])}
+            pooled = out.setdefault(section, [])
+            for e in theirs:
+                j = index.get(tuple(e.get(f) for f in fields))
+                if j is None:
+                    pooled.append(e)
+                else:
+                    pooled[j] = _pool_entry(pooled[j], e)
+        for section in COMPUTE_SECTIONS:
+            if section not in out and section in run:
+                out[section] = run[section]
+                if "batched" in run:
+                    out["batched"] = run["batched"]
+    missing = [s for s in COMPUTE_SECTIONS if s not in out]
+    if missing:
+        raise InputError(f"--from-samples: no {', '.join(missing)} samples (only --link-only calibrations); "
+                         f"name a full calibration's samples too")
+    if len(runs) > 1:
+        out["pooled"] = [dict(samples=names[i] if i < len(names) else None, date=r.get("date"),
+                              link_only=bool(r.get("args", {}).get("link_only")))
+                         for i, r in enumerate(runs)]
+    out.pop("fits", None)
+    return out
+
+
 def profile_from_samples(samples: dict, name: str, samples_file: str | None, expert_mode: str = "batched",
                          copy_fit: str = "burst") -> tuple[dict, dict]:
     """The profile (and the fits and checks behind it) that a set of samples gives.
@@ -1104,6 +1183,11 @@ def profile_from_samples(samples: dict, name: str, samples_file: str | None, exp
         + ("token and step fixed costs: the replay's step sequence against its parts; " if fixed else "")
         + f"CPU {facts.get('cpu')} x{samples['cpu_threads']} threads; torch {facts.get('torch')}"
     )
+    pooled = samples.get("pooled")
+    if pooled:
+        method += (f"; copies and disk pooled over {len(pooled)} calibrations of this host ("
+                   + ", ".join(f"{p['samples'] or 'unnamed'}{' (copies and disk only)' if p['link_only'] else ''}"
+                               for p in pooled) + ")")
     host = dict(gpu=facts["gpu"], pcie=facts["pcie"], date=samples["date"], method=method)
     profile = build_profile(
         name, host=host, h2d=h2d_fit, idle_latency_us=idle_latency, pageable_gbps=pageable_gbps, ssd=ssd_fit,
@@ -1175,7 +1259,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-expert-shapes", default="2048x512,4096x1536", help="extra expert shapes for the cpu fit")
     p.add_argument("--expert-mode", choices=tuple(EXPERT_SERIES), default="batched",
                    help="how the modelled engine runs experts (which timing the profile uses)")
-    p.add_argument("--from-samples", default=None, help="rebuild the profile from a samples JSON, measuring nothing")
+    p.add_argument("--from-samples", default=None,
+                   help="rebuild the profile from a samples JSON, measuring nothing; several, comma-separated: "
+                        "their copy and disk samples pooled (e.g. a calibration and a later --link-only one)")
+    p.add_argument("--link-only", action="store_true",
+                   help="measure only the host-to-device copies and the disk and write only their samples "
+                        "(<out>.samples.json), to pool with a full calibration by --from-samples")
     p.add_argument("--copy-fit", choices=("burst", "isolated"), default="burst", help="copy series the pcie fit uses")
     p.add_argument("--max-copy-mib", type=int, default=512, help="largest host-to-device copy (MiB)")
     p.add_argument("--reps", type=int, default=12, help="repetitions per measurement (medians are used)")
@@ -1199,12 +1288,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = Path(args.out)
     try:
         if args.from_samples:
-            path = Path(args.from_samples)
-            if not path.exists():
-                raise InputError(f"--from-samples {path} does not exist")
-            samples = json.loads(path.read_text())
+            paths = [Path(p) for p in args.from_samples.split(",") if p]
+            for path in paths:
+                if not path.exists():
+                    raise InputError(f"--from-samples {path} does not exist")
+            runs = [json.loads(path.read_text()) for path in paths]
+            samples = pool_samples(runs, [p.name for p in paths]) if len(runs) > 1 else runs[0]
         else:
             samples = measure_all(args)
+            if args.link_only:
+                side = out.with_suffix(".samples.json")
+                side.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(side, json.dumps(samples, indent=1, default=str) + "\n")
+                log(f"wrote {side} (copies and disk only; pool it: --from-samples FULL.samples.json,{side})")
+                return
         profile, samples["fits"] = profile_from_samples(
             samples, args.name or out.stem, out.with_suffix(".samples.json").name, args.expert_mode, args.copy_fit)
         out, side = write_profile(profile, samples, out)

@@ -11,15 +11,18 @@
 # (conf/hardware/h200_measured.yaml); the GPU host needs only python3 with torch (+ Triton),
 # numpy, pyarrow and pyyaml. Then, back here, with the results copied into docs/validation/:
 #
-#   moe-replay compare docs/validation/qwen3_next.json docs/validation/qwen3_30b.json \
-#       docs/validation/ssd.json --profile conf/hardware/h200_measured.yaml --out docs/VALIDATION.md
+#   moe-replay compare docs/validation/{qwen3_next,qwen3_30b,ssd,prefetch}.json \
+#       --profile docs/validation/h200_pooled.yaml --out docs/VALIDATION.md
+#
+# (h200_pooled.yaml: the calibration before the replays and the copies and disk measured again
+# after them, pooled; h200_measured.yaml is the first alone.)
 #
 # Stages on the H200 host (estimates from the last run's logs, each capped by a timeout so that
 # a stuck stage leaves time to the others; all of it under 10 minutes): calibrate about 2 min
 # (writing the 4 GiB expert file included), Qwen3-Next replay about 2 min (15 runs of 256
 # tokens, 24 GiB of pinned host experts), Qwen3-30B replay about 1 min (15 runs of 128
 # tokens), SSD path about 4 min (6 runs of 128 tokens, 3 executions each, SSD-bound at 50-150 ms per
-# token), prefetch about 1 min (6 runs, 3 executions each).
+# token), prefetch about 1 min (6 runs, 3 executions each), the copies and the disk again about 1 min.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -90,6 +93,15 @@ gpu() {
         stage "replay $name" "$limit" "$py" -m simulator.gpu.replay run --device "$dev" --repeats "$repeats" \
             --plan "$PLANS/$name.npz" --out "$OUT/$name" --ssd-file "$ssd_file" --ssd-file-mib 4096
     done
+    # the copies and the disk again at the end, pooled with the first calibration: the profile to
+    # compare against then holds the link's drift over the replays (calibration only, no replay)
+    stage "calibrate again (copies and disk)" 75 "$py" -m simulator.gpu.calibrate --link-only --device "$dev" \
+        --out "$OUT/h200_measured_end.yaml" --models qwen3_next_80b_a3b,qwen3_30b_a3b:6 --ssd-file "$ssd_file" \
+        --ssd-file-mib 4096
+    if [[ -f $OUT/h200_measured.samples.json && -f $OUT/h200_measured_end.samples.json ]]; then
+        stage "pool the calibrations" 30 "$py" -m simulator.gpu.calibrate --out "$OUT/h200_pooled.yaml" \
+            --from-samples "$OUT/h200_measured.samples.json,$OUT/h200_measured_end.samples.json"
+    fi
     rm -f "$ssd_file"
     grep '^== ' "$log"
     shopt -s nullglob
