@@ -99,14 +99,16 @@ class Heap(NamedTuple):
     slot: np.ndarray  # int32[X]
     count: np.ndarray  # int64[P]
     aside: np.ndarray  # int32[X]: residents set aside during a trim (used in the step)
-    trim: np.ndarray  # int64[2]: set aside so far, taken back as victims so far
+    # int64[4]: set aside so far, taken back as victims so far; held residents (heap_victim_held)
+    # sorted to the front, -1 outside a trim, and taken as victims so far
+    trim: np.ndarray
 
 
 def make_heap(capacity: int, num_items: int, num_pools: int) -> Heap:
     return Heap(np.zeros(capacity, np.int32), np.zeros(capacity, np.float64),
                 np.zeros(capacity, np.int64), np.zeros(num_items, np.int32),
                 np.zeros(num_pools, np.int64), np.zeros(num_items, np.int32),
-                np.zeros(2, np.int64))
+                np.array([0, 0, -1, 0], np.int64))
 
 
 @jit(allocates=False, inline=True)
@@ -184,6 +186,12 @@ def heap_rekey(h, c, x, p, k1, k2):
     _sift_down(h, h.slot[x], off, h.count[p])
 
 
+@jit(allocates=False, inline=True)
+def heap_before_top(h, off, p, x, k1, k2):
+    """Whether key (k1, k2, x) is before the stored key of pool p's top (False if empty)."""
+    return h.count[p] > 0 and _before(k1, k2, x, h.hkey1[off], h.hkey2[off], h.items[off])
+
+
 @jit(allocates=False)
 def heap_rebuild(h, c, p, key1, key2):
     """Store every entry's current key (``key1[x]``, ``key2[x]``) and heapify."""
@@ -198,12 +206,16 @@ def heap_rebuild(h, c, p, key1, key2):
 
 
 @jit(allocates=False, inline=True)
-def _pop_unmarked(h, off, p, stamp, key1, key2, mark):
+def _pop_unmarked(h, off, p, stamp, key1, key2, mark, bound):
     """Pop pool p's entries in key order until one not marked ``stamp``; return it, or -1 when
-    the heap ran out (the marked ones popped are set aside, in key order). Stale stored keys at
-    the top are refreshed and sifted down first."""
+    the heap ran out or its least key is not before the key of ``bound`` (an expert outside the
+    heap; -1: no bound). The marked ones popped are set aside, in key order. Stale stored keys
+    at the top are refreshed and sifted down first."""
     while h.count[p] > 0:
         top = h.items[off]
+        if bound >= 0 and not _before(h.hkey1[off], h.hkey2[off], top,
+                                      key1[bound], key2[bound], bound):
+            return -1  # stored keys never run ahead: no entry is before the bound
         k1 = key1[top]
         k2 = key2[top]
         if k1 != h.hkey1[off] or k2 != h.hkey2[off]:
@@ -233,7 +245,7 @@ def heap_victim(h, off, p, stamp, key1, key2, mark):
     key order), taken back as victims once the heap is empty, and the rest pushed back by
     :func:`heap_end_trim`.
     """
-    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark)
+    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, -1)
     if x >= 0:
         return x
     x = h.aside[h.trim[1]]
@@ -241,22 +253,52 @@ def heap_victim(h, off, p, stamp, key1, key2, mark):
     return x
 
 
-@jit(allocates=False)
+@jit(allocates=False, inline=True)
+def _sort_unmarked_first(held, off, n, key1, key2, mark, stamp):
+    """Move the entries of ``held[off : off + n]`` not marked ``stamp`` to its front, in key
+    order; return how many they are."""
+    m = 0
+    for i in range(n):
+        y = held[off + i]
+        if mark[y] != stamp:
+            held[off + i] = held[off + m]
+            j = m
+            while j > 0 and _before(key1[y], key2[y], y, key1[held[off + j - 1]],
+                                    key2[held[off + j - 1]], held[off + j - 1]):
+                held[off + j] = held[off + j - 1]
+                j -= 1
+            held[off + j] = y
+            m += 1
+    return m
+
+
+@jit(allocates=False, inline=True)
 def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held):
     """:func:`heap_victim` for a pool whose residents are in the heap or *held* out of it:
-    ``held[off : off + n_held[p]]``, each marked ``stamp`` (admitted in this step; the caller
-    pushes the others first). Once no unmarked resident is left, the victim is the least key of
-    the set-aside and the held ones."""
-    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark)
+    ``held[off : off + n_held[p]]``, read with their current keys. The victim is the least key
+    of the unmarked residents of both (the trim's first search sorts the unmarked held ones to
+    the front); once none is left, the least of the set-aside and the held ones. Finish the
+    trim with :func:`heap_end_trim_held`."""
+    if h.trim[2] < 0:
+        h.trim[2] = _sort_unmarked_first(held, off, n_held[p], key1, key2, mark, stamp)
+    i = h.trim[3]
+    if i < h.trim[2]:
+        y = held[off + i]
+        x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, y)
+        if x >= 0:
+            return x
+        h.trim[3] = i + 1
+        return y
+    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, -1)
     if x >= 0:
         return x
     n = n_held[p]
-    best = -1  # position in held of the least key
-    for i in range(n):
-        y = held[off + i]
+    best = -1  # position in held of the least key (all marked)
+    for j in range(i, n):
+        y = held[off + j]
         if best < 0 or _before(key1[y], key2[y], y, key1[held[off + best]], key2[held[off + best]],
                                held[off + best]):
-            best = i
+            best = j
     if h.trim[1] < h.trim[0]:
         x = h.aside[h.trim[1]]
         if best < 0 or _before(key1[x], key2[x], x, key1[held[off + best]], key2[held[off + best]],
@@ -277,3 +319,33 @@ def heap_end_trim(h, c, p, key1, key2):
         heap_push(h, c, y, p, key1[y], key2[y])
     h.trim[0] = 0
     h.trim[1] = 0
+
+
+# unmarked held residents a trim may leave held (the least keys, while before the heap's top)
+KEEP_HELD = 4
+
+
+@jit(allocates=False, inline=True)
+def heap_end_trim_held(h, c, p, key1, key2, held, n_held):
+    """:func:`heap_end_trim` after :func:`heap_victim_held`: drop the held victims from
+    ``held`` and push the unmarked held ones into the heap, except up to ``KEEP_HELD`` of the
+    least keys that are before the heap's least stored key (likely the next victims)."""
+    heap_end_trim(h, c, p, key1, key2)
+    off = c.pool_offset[p]
+    taken = h.trim[3]
+    unmarked = max(h.trim[2], 0)
+    keep = unmarked  # held[off + taken : off + keep]: the surviving unmarked ones, in key order
+    while keep > taken:
+        y = held[off + keep - 1]
+        if keep - taken <= KEEP_HELD and heap_before_top(h, off, p, y, key1[y], key2[y]):
+            break
+        heap_push(h, c, y, p, key1[y], key2[y])
+        keep -= 1
+    m = 0
+    for i in range(n_held[p]):
+        if taken <= i < keep or i >= unmarked:
+            held[off + m] = held[off + i]
+            m += 1
+    n_held[p] = m
+    h.trim[2] = -1
+    h.trim[3] = 0

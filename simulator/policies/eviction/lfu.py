@@ -4,10 +4,11 @@ the lower id.
 Frequency counts router selections (hit or miss) and decays with ``cache.lfu_decay``
 (docs/semantics.md). Kernel: an indexed min-heap per pool keyed (frequency, last-use step);
 keys only grow between renormalisations, so a stored key may lag and is refreshed at trim.
-An expert admitted in a step is *held* out of the heap until a victim search sees it unmarked:
-while the step that admitted it runs it cannot be a victim unless every other resident is used
-in the step too, and admitted experts have low frequencies, so in the heap they would sit at
-its top and be set aside and pushed back at every trim of the step.
+An admitted expert is *held* out of the heap: admitted experts have low frequencies and most
+are evicted within a step or two, so in the heap each would cost a sift to its top and one back
+down. A trim sorts the unmarked held ones (a handful) and takes victims from them or the heap,
+whichever key is less; at its end it pushes the survivors into the heap but a few of the least
+keys that are still before the heap's top (structures.heap_end_trim_held).
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ import numpy as np
 
 from simulator.engine.structures import (
     Heap,
-    heap_end_trim,
-    heap_push,
+    heap_end_trim_held,
     heap_rebuild,
     heap_victim_held,
     make_heap,
@@ -79,25 +79,13 @@ def heap_keys(core, st):
 
 @jit(allocates=False, inline=True)
 def victim(core, st, c, p, stamp):
-    """Push the held residents no longer marked ``stamp``, then the heap's victim."""
-    off = c.pool_offset[p]
-    n = st.n_held[p]
-    i = 0
-    while i < n:
-        y = st.held[off + i]
-        if core.mark[y] != stamp:
-            heap_push(st.heap, c, y, p, core.freq[y], st.last_use[y])
-            n -= 1
-            st.held[off + i] = st.held[off + n]
-        else:
-            i += 1
-    st.n_held[p] = n
-    return heap_victim_held(st.heap, off, p, stamp, core.freq, st.last_use, core.mark, st.held, st.n_held)
+    return heap_victim_held(st.heap, c.pool_offset[p], p, stamp, core.freq, st.last_use, core.mark,
+                            st.held, st.n_held)
 
 
 @jit(allocates=False, inline=True)
 def end_trim(core, st, c, p):
-    heap_end_trim(st.heap, c, p, core.freq, st.last_use)
+    heap_end_trim_held(st.heap, c, p, core.freq, st.last_use, st.held, st.n_held)
 
 
 class Reference(ReferenceBase):
