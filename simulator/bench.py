@@ -254,17 +254,27 @@ def _work_shape(task: dict) -> dict:
 
     prefix = LimitedSource(source, task["ref_tokens"])
     small = ArraySource(meta, concat_chunks(list(prefix.iter_chunks())))
-    for name, overrides in POLICIES.items():
-        params = sim_params(meta, overrides + model)
+    runs = {name: sim_params(meta, overrides + model) for name, overrides in POLICIES.items()}
+    for params in runs.values():
         simulate(prefix, params)  # loads the kernels; not timed
-        _peak_rss_reset()
-        cpu, wall = [], []
-        for _ in range(repeats):
-            r, c, w = _timed(lambda p=params: simulate(source, p))
-            cpu.append(c)
-            wall.append(w)
+    cpu = {name: [] for name in runs}
+    wall = {name: [] for name in runs}
+    peak = dict.fromkeys(runs, 0)
+    last = {}
+    # in rounds over the policies, not one policy's repeats back to back: the machine's speed
+    # drifts (fetch_all + LRU has moved 25-40 M lookups/s between runs), and the ratios between
+    # policies are the targets
+    for _ in range(repeats):
+        for name, params in runs.items():
+            _peak_rss_reset()
+            last[name], c, w = _timed(lambda p=params: simulate(source, p))
+            cpu[name].append(c)
+            wall[name].append(w)
+            peak[name] = max(peak[name], _peak_rss_bytes())
+    for name, params in runs.items():
+        r = last[name]
         row = {
-            "cpu_s": cpu, "wall_s": wall, "peak_rss": _peak_rss_bytes(),
+            "cpu_s": cpu[name], "wall_s": wall[name], "peak_rss": peak[name],
             "lookups": int(r.layer_calls.sum()), "steps": int(r.phase.shape[0]) * meta.num_layers,
             "hit_rate": float(r.layer_hits.sum() / r.layer_calls.sum()),
             "substitution_rate": float(r.layer_substitutions.sum() / r.layer_calls.sum()),
@@ -701,7 +711,7 @@ def render(fig: dict) -> str:
         f"{fig['loadavg_end'][0]:.1f} at the end (other work shares this machine, so wall times "
         "are noisy; throughput uses the CPU time of the simulating thread).",
         "",
-        f"Figures are medians of {fig['repeats']} runs. Traces: synthetic (traces/synth.py, seed 0), "
+        f"Figures are medians of {fig['repeats']} runs (the policies timed in rounds, one run of each in turn). Traces: synthetic (traces/synth.py, seed 0), "
         "decode only, full router logits; cache per layer at 25 % of the experts, hardware "
         "h200_pcie5, the model preset's expert sizes. A *lookup* is one selected expert of one "
         "token at one layer (tokens x layers x top-k); a *step* is one token at one layer.",
