@@ -575,3 +575,15 @@ def test_the_bundled_trace_keeps_its_content_with_checksums_and_a_content_hash()
     with open_trace(fixture) as reader:
         assert reader.content_hash == original and reader.verify() == original
     assert fixture.stat().st_size < 20 * 2**20
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 10, 64])
+def test_repeated_ids_are_found_in_every_row_that_has_them(k):
+    from traces.format import _repeats
+
+    rng = np.random.default_rng(k)
+    ids = rng.integers(0, k * k + 2, (200, 5, k))  # about 40 % of the rows repeat an id (k > 1)
+    expected = np.array([[len(set(row)) < k for row in layer] for layer in ids])
+    for dtype in (np.int16, np.int32, np.int64):
+        assert np.array_equal(_repeats(ids.astype(dtype)), expected)
+    assert 0 < expected.mean() < 1 or k == 1
