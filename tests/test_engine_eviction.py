@@ -16,6 +16,7 @@ from simulator.engine import warmup_counts
 from simulator.engine.kernel import KernelSimulator
 from simulator.engine.nextuse import NextUseFile, after_group
 from simulator.engine.reference import ReferenceSimulator
+from simulator.policies import kernel_needs
 from simulator.policies.eviction import REGISTRY as EVICTIONS
 from traces.format import PHASE_DECODE, slice_chunk
 
@@ -44,8 +45,8 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
     core, link, st = sim.core, sim.link, sim.policy_states[0]
     expert_bytes = np.asarray(p_.expert_bytes)
     residents = set(np.flatnonzero(core.resident).tolist())
-    # per-layer resident lists
-    for layer in range(L):
+    # per-layer resident lists, kept where a substitute can act (else never filled)
+    for layer in range(L if kernel_needs(p_).layer_residents else 0):
         n = int(core.layer_res_n[layer])
         listed = core.layer_res[layer, :n].tolist()
         assert sorted(listed) == sorted(x for x in residents if x // E == layer)
@@ -174,3 +175,18 @@ def test_lfu_frequencies_renormalise():
     assert sim.core.fstate[S.INC] < 1e100
     assert np.isfinite(sim.core.freq).all()
     check_kernel_state(sim)
+
+
+@pytest.mark.parametrize(("eviction", "rule", "extra", "expected"), [
+    ("lru", "fetch_all", {}, (False, False, False)),  # nothing read before the trim
+    ("fifo", "substitute_all", {"miss_action": "cpu"}, (False, False, False)),  # nothing substitutes
+    ("lfu", "fetch_all", {}, (True, True, False)),  # frequency order
+    ("belady", "fetch_all", {}, (False, True, False)),  # on_select reads the step's selections
+    ("lru", "rule015", {}, (False, True, True)),  # substitutes by logit scan the layer's residents
+    ("lru", "rule015", {"beta": 0.5}, (False, True, True)),  # and admit in the background
+    ("lru", "rule015", {"substitute_by": "frequency"}, (True, True, True)),
+])
+def test_kernel_keeps_only_what_the_chosen_policies_read(eviction, rule, extra, expected):
+    meta = trace(np.zeros((1, 2, 2)) + np.arange(2), logits=np.zeros((1, 2, 8))).meta
+    needs = kernel_needs(make_params(meta, eviction=eviction, rule=rule, **extra))
+    assert (needs.frequency, needs.selections, needs.layer_residents) == expected

@@ -27,9 +27,11 @@ from simulator.engine.state import (
     STAMP,
     drop,
     kernel_array,
+    list_resident,
     make_consts,
     make_core_state,
     make_resident,
+    unlist_resident,
     used,
     wasted_background,
 )
@@ -43,15 +45,18 @@ from simulator.metrics import (
     RunCount,
     build_result,
 )
-from simulator.policies import chosen, modules, reads_frequency
+from simulator.policies import KernelNeeds, chosen, kernel_needs, modules
 from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 
 # The policy modules the kernels call, and the trim step; bound per compiled kernel by
 # simulator.jit.specialise.
 eviction = miss_rule = miss_action = substitute = admission = predictor = prefetch = None
 _trim_step = _fetch_step = None
-# whether any chosen variant reads core.freq (simulator.policies.reads_frequency); bound per kernel
-TRACK_FREQUENCY = True
+# What the chosen variants read (simulator.policies.KernelNeeds), bound per kernel: whether
+# selections are counted in core.freq, whether a decode step marks its selections before its
+# rank loop (else each lookup marks its expert as the loop reaches it), and whether the layers'
+# resident lists are kept.
+TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = True
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -88,7 +93,10 @@ def _trim(core, ev, c, p, stamp):
     """Evict from pool p down to its budget: victims in the policy's order, residents marked
     ``stamp`` (used in the step, or the expert being admitted) last."""
     while core.pools[p, BYTES] > core.pools[p, BUDGET]:
-        drop(core, c, eviction.victim(core, ev, c, p, stamp), p)
+        x = eviction.victim(core, ev, c, p, stamp)
+        if LIST_RESIDENTS:
+            unlist_resident(core, x, x // c.num_experts)
+        drop(core, c, x, p)
     eviction.end_trim(core, ev, c, p)
 
 
@@ -97,6 +105,8 @@ def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
     step's other fetches, simulator.engine.link.sync_fetches); returns the step's fetch count."""
     link.fetch_x[n_fetch] = x
     make_resident(core, c, x, layer, p)
+    if LIST_RESIDENTS:
+        list_resident(core, x, layer)
     eviction.on_insert(core, ev, c, x, p, s)
     return n_fetch + 1
 
@@ -148,19 +158,21 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             stamp = core.istate[STAMP]
 
             # selections: frequency and the policy's view advance; selected experts are marked
-            # (a prefill step's unique experts listed)
+            # (a prefill step's unique experts listed). Without SELECT_BEFORE_USE no policy reads
+            # them before the rank loop, which marks each lookup's expert itself.
             n_unique = 0
-            for t in range(a, b):
-                for i in range(K):
-                    x = base + experts[t, layer, i]
-                    if TRACK_FREQUENCY:
-                        core.freq[x] += inc
-                    eviction.on_select(core, ev, c, ch, t, layer, i, x, p, s)
-                    if core.mark[x] != stamp:
-                        core.mark[x] = stamp
-                        if not decode:
-                            core.uniq[n_unique] = x
-                            n_unique += 1
+            if SELECT_BEFORE_USE or not decode:
+                for t in range(a, b):
+                    for i in range(K):
+                        x = base + experts[t, layer, i]
+                        if TRACK_FREQUENCY:
+                            core.freq[x] += inc
+                        eviction.on_select(core, ev, c, ch, t, layer, i, x, p, s)
+                        if core.mark[x] != stamp:
+                            core.mark[x] = stamp
+                            if not decode:
+                                core.uniq[n_unique] = x
+                                n_unique += 1
 
             t1 = t0 + c.nonexpert_us[layer]
             # the expert phase starts: background transfers completed by t1 become resident,
@@ -177,6 +189,8 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     selected = core.mark[x] == stamp
                     core.mark[x] = stamp
                     make_resident(core, c, x, lx, px)
+                    if LIST_RESIDENTS:
+                        list_resident(core, x, lx)
                     core.src[x] = source
                     core.fresh[x] = 1
                     eviction.on_insert(core, ev, c, x, px, s)
@@ -199,6 +213,8 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 n_fetch = 0
                 for i in range(K):
                     x = base + experts[a, layer, i]
+                    if not SELECT_BEFORE_USE:
+                        core.mark[x] = stamp
                     if core.resident[x]:
                         hits += 1
                         eviction.on_use(core, ev, c, x, p, s)
@@ -292,6 +308,8 @@ def _warm(fill, p, c, core, ev):
         x = fill[i]
         layer = x // c.num_experts
         make_resident(core, c, x, layer, p)
+        if LIST_RESIDENTS:
+            list_resident(core, x, layer)
         eviction.on_insert(core, ev, c, x, p, -1 - i)
 
 
@@ -301,15 +319,14 @@ class Kernels(NamedTuple):
 
 
 @functools.cache
-def kernels(names: tuple[tuple[str, str], ...], track_frequency: bool = True) -> Kernels:
-    """The kernels compiled for one choice of variants (``(family, variant)`` pairs);
-    ``track_frequency``: whether they count selections in ``core.freq`` (some variant reads it)."""
-    chosen_modules = modules(dict(names))
-    steps = {"_trim_step": specialise(_trim, chosen_modules, inline=True),
-             "_fetch_step": specialise(_fetch, chosen_modules, inline=True),
-             "TRACK_FREQUENCY": bool(track_frequency)}
-    return Kernels(specialise(_run_chunk, dict(chosen_modules, **steps)),
-                   specialise(_warm, chosen_modules))
+def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
+    """The kernels compiled for one choice of variants (``(family, variant)`` pairs) and what
+    they read (``needs``: simulator.policies.kernel_needs)."""
+    bound = dict(modules(dict(names)), TRACK_FREQUENCY=bool(needs.frequency),
+                 SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents))
+    steps = {"_trim_step": specialise(_trim, bound, inline=True),
+             "_fetch_step": specialise(_fetch, bound, inline=True)}
+    return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))
 
 
 class KernelSimulator:
@@ -321,7 +338,7 @@ class KernelSimulator:
         self.params = params
         self.layout = make_layout(params, meta)
         names = chosen(params)
-        self.kernels = kernels(tuple(names.items()), reads_frequency(params))
+        self.kernels = kernels(tuple(names.items()), kernel_needs(params))
         mods = modules(names)
         self.consts = make_consts(params, self.layout)
         self.core = make_core_state(params, self.layout)

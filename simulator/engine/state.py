@@ -52,7 +52,7 @@ class CoreState(NamedTuple):
     """The shared GPU cache state and the counters, carried between chunks."""
 
     resident: np.ndarray  # int8[X]
-    layer_res: np.ndarray  # int32[L, E]: residents of each layer, swap-removed
+    layer_res: np.ndarray  # int32[L, E]: residents of each layer, swap-removed (LIST_RESIDENTS)
     layer_res_n: np.ndarray  # int32[L]
     res_pos: np.ndarray  # int32[X]: position of a resident in its layer's list
     mark: np.ndarray  # int64[X]: the stamp of the step that last used or selected x
@@ -117,27 +117,39 @@ def make_core_state(params: SimParams, layout: Layout) -> CoreState:
 
 @jit(allocates=False, inline=True)
 def make_resident(core, c, x, layer, p):
-    """The cache bookkeeping of x becoming resident in pool p (the policy orders it apart)."""
+    """The cache bookkeeping of x becoming resident in pool p (the policy orders it apart; the
+    layer's resident list apart: :func:`list_resident`)."""
     core.resident[x] = 1
-    n = core.layer_res_n[layer]
-    core.layer_res[layer, n] = x
-    core.res_pos[x] = n
-    core.layer_res_n[layer] = n + 1
     core.pools[p, BYTES] += c.expert_bytes[layer]
     core.src[x] = DEMAND
     core.fresh[x] = 0
 
 
 @jit(allocates=False, inline=True)
-def drop(core, c, x, p):
-    """The cache bookkeeping of evicting x (already out of its policy's order structure)."""
-    layer = x // c.num_experts
-    core.resident[x] = 0
+def list_resident(core, x, layer):
+    """Append resident x to its layer's resident list (kept where a substitute scans it)."""
+    n = core.layer_res_n[layer]
+    core.layer_res[layer, n] = x
+    core.res_pos[x] = n
+    core.layer_res_n[layer] = n + 1
+
+
+@jit(allocates=False, inline=True)
+def unlist_resident(core, x, layer):
+    """Swap-remove x from its layer's resident list."""
     n = core.layer_res_n[layer] - 1
     last = core.layer_res[layer, n]
     core.layer_res[layer, core.res_pos[x]] = last
     core.res_pos[last] = core.res_pos[x]
     core.layer_res_n[layer] = n
+
+
+@jit(allocates=False, inline=True)
+def drop(core, c, x, p):
+    """The cache bookkeeping of evicting x (already out of its policy's order structure and
+    its layer's resident list)."""
+    layer = x // c.num_experts
+    core.resident[x] = 0
     core.pools[p, BYTES] -= c.expert_bytes[layer]
     core.run_counts[RunCount.EVICTIONS] += 1
     if core.fresh[x]:  # a background arrival evicted before any use

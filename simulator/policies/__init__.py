@@ -13,8 +13,10 @@ same meaning; each family's package docstring lists the hooks. Families:
 - ``prefetch``: background transfers of predicted experts (none, topp).
 
 A variant whose kernel hooks read the engine's selection frequencies (``core.freq``) says so
-with ``READS_FREQUENCY = True``: the kernel skips counting them when no chosen variant does
-(:func:`reads_frequency`).
+with ``READS_FREQUENCY = True``: the kernel skips counting them when no chosen variant does.
+The kernel also skips the layers' resident lists where nothing substitutes, and the decode
+step's marking pass before its lookups where nothing reads the marks before the step's trim
+(:func:`kernel_needs`).
 
 A variant's own settings are an ``Options`` dataclass in its module (one field per setting,
 with help text); moe-sim exposes them under the family's config section.
@@ -134,13 +136,37 @@ def chosen(params) -> dict[str, str]:
     }
 
 
-def reads_frequency(params) -> bool:
-    """Whether a variant ``params`` runs reads ``core.freq`` in the kernel (``READS_FREQUENCY``),
-    a substitute only where it can act: else the kernel need not count selections."""
+class KernelNeeds(NamedTuple):
+    """What a kernel must keep for the chosen variants (compile-time choices of the kernel)."""
+
+    frequency: bool = True  # selections counted in core.freq (a READS_FREQUENCY variant)
+    selections: bool = True  # a decode step marks its selections before its lookups
+    layer_residents: bool = True  # each layer's resident list (core.layer_res) is kept
+
+
+def kernel_needs(params) -> KernelNeeds:
+    """What the variants ``params`` runs read in the kernel.
+
+    - ``frequency``: a chosen variant reads ``core.freq`` (``READS_FREQUENCY``), a substitute
+      only where it can act;
+    - ``layer_residents``: a substitute can act (it scans the layer's residents);
+    - ``selections``: before a decode step's lookups, something reads which experts the step
+      selected: frequencies, an eviction ``on_select`` hook, a substitute's eligibility, or a
+      background arrival (admission, prefetch) that must not evict them. Otherwise each lookup
+      marks its expert as the rank loop reaches it, and the marks are the same by the step's
+      trim.
+    """
+    from simulator.policies.eviction._base import ignore_select
+
     names = chosen(params)
     reg = registries()
-    return any(getattr(reg[family][names[family]], "READS_FREQUENCY", False)
-               for family in FAMILIES if family != "substitute" or _substitutes(params))
+    substitutes = _substitutes(params)
+    frequency = any(getattr(reg[family][names[family]], "READS_FREQUENCY", False)
+                    for family in FAMILIES if family != "substitute" or substitutes)
+    background = names["admission"] != "none" or names["prefetch"] != "none"
+    selects = reg["eviction"][names["eviction"]].on_select is not ignore_select
+    return KernelNeeds(frequency=frequency, selections=frequency or selects or substitutes or background,
+                       layer_residents=substitutes)
 
 
 def _substitutes(params) -> bool:
