@@ -85,7 +85,7 @@ lint: env
 # (about ten minutes on two cores; writes a 1,000,000-token trace to a temporary directory), then
 # configurations per minute of a 40-job multirun (docs/SWEEPS.md, two minutes).
 bench: env
-	$(PY) -m simulator.bench --out docs/BENCHMARKS.md
+	$(PY) -m simulator.bench --out docs/BENCHMARKS.md --json docs/benchmarks.json
 	$(PY) -m simulator.bench_sweep --launchers default --repeats 3 --out docs/SWEEPS.md
 
 # Import the public Qwen3-30B-A3B route trace that sits beside the project (../shared/traces).
