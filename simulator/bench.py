@@ -114,11 +114,11 @@ NOTES = """\
   fetch_all + LRU faster and left the other policies as they were (same-run A/B: quality_first
   69.2 / 68.2 ns, rule015 + LFU 50.9 / 51.3 ns per lookup), so the ratios fell without any
   policy getting slower. What the substituting policies pay beyond a lookup: the marking pass and
-  resident lists they do read, and the top-R walk, which passes the step's own selected experts
-  (the token-layer's highest logits, never eligible) before it meets a candidate. Measured as a
-  prototype (the orders rebuilt without each token-layer's selected experts, the same walk):
-  rule015 + LRU 33.1 -> 28.6 ns and quality_first 64.4 -> 56.5 ns per lookup on this shape,
-  identical results (same run, medians of 9); not yet how the trace sources build the order.
+  resident lists they do read, and the top-R walk. The walk used to pass the step's own
+  selected experts first (the token-layer's highest logits, never eligible); since trace cache
+  layout 5 the order leaves them out (`chunk.logit_order`: the R highest logits a token-layer
+  did not select): rule015 + LRU 39.2 -> 27.5 ns and quality_first 69.6 -> 49.4 ns per lookup on
+  this shape, identical results (same-run A/B, medians of 6 alternated processes).
 - **Mixtral (top-2).** Per-step work (link and completion checks, counters, trim) is spread over
   only two lookups: {mx_steps} M steps/s, {mx_lookups} M lookups/s (fetch_all + LRU).
 """

@@ -16,7 +16,7 @@ for its first forward pass and writes the copy as it goes; the copy is put in pl
 the pass reaches the end and the content matches the trace's recorded hash. A pass that stops
 early, raises or is killed leaves no usable copy (the next pass builds again). ``logit_order``
 for an R not yet kept is computed the same way on a pass over the copy and kept beside it
-(``logit_order_<R>.npy``; any kept R' >= R serves R, as its first R ids).
+(``candidate_order_<R>.npy``; any kept R' >= R serves R, as its first R ids).
 
 The key is the content hash the trace records (its hex digest: a file rewritten with other
 content gets another key, however its size and modification time look); a file written before
@@ -77,7 +77,10 @@ from traces.format import (
 )
 
 CACHE_ENV = "MOE_SIM_CACHE"
-LAYOUT_VERSION = 4  # bump when the files below change meaning
+LAYOUT_VERSION = 5  # bump when the files below change meaning
+# a kept logit_order for order_r = R: <ORDER_FILE><R>.npy, the ids of the R highest logits each
+# token-layer did not select (layout 5; layout 4 kept them with the selected ids included)
+ORDER_FILE = "candidate_order_"
 MANIFEST = "manifest.json"
 _PER_TOKEN = ("seq", "pos", "phase", "group", "domain", "token_id", "nll")  # from the decoded chunk
 _STORED = ("experts", "residency", "logits", "logit_ids")  # as the trace stores them
@@ -129,7 +132,7 @@ class CachedTrace:
     :meth:`build`), False when it re-uses one. Construct through :func:`cached_source`.
     """
 
-    keeps_logit_order = True  # an order_r asked for once is kept beside the copy (logit_order_<R>)
+    keeps_logit_order = True  # an order_r asked for once is kept beside the copy (candidate_order_<R>)
 
     def __init__(self, path: Path, directory: Path, manifest: dict | None, max_tokens: int | None):
         self.path, self.directory = path, directory
@@ -204,7 +207,7 @@ class CachedTrace:
                               **{n: getattr(chunk, n).astype(t) for n, t in _LOOKAHEAD.items()
                                  if getattr(chunk, n) is not None}}
                     if order_r:
-                        arrays[f"logit_order_{order_r}"] = chunk.logit_order
+                        arrays[f"{ORDER_FILE}{order_r}"] = chunk.logit_order
                     for name, value in arrays.items():
                         if name not in files:
                             files[name] = _NpyWriter(build / f"{name}.npy", value, self.num_tokens)
@@ -217,7 +220,7 @@ class CachedTrace:
                     raise InputError(f"{self.path}: the decoded content does not match the hash the file "
                                      "records; the file was changed or damaged after it was written, "
                                      "re-create or restore it")
-                orders = [n for n in files if n.startswith("logit_order_")]
+                orders = [n for n in files if n.startswith(ORDER_FILE)]
                 manifest = {"layout_version": LAYOUT_VERSION, "meta": self.meta.to_json(),
                             "num_tokens": self.num_tokens, "source_file": str(self.path.resolve()),
                             "arrays": {n: f.record() for n, f in files.items() if n not in orders}}
@@ -291,13 +294,14 @@ class CachedTrace:
                 if kept is not None:
                     chunk.logit_order = np.ascontiguousarray(self._orders[kept][rows, :, :order_r])
                 elif order_r:
-                    chunk.logit_order = stored_logit_order(meta, a["logits"][rows], ids, order_r)
+                    chunk.logit_order = stored_logit_order(meta, a["logits"][rows], ids, order_r,
+                                                           a["experts"][rows])
                     if adding:
                         adding.append(chunk.logit_order)
                 yield chunk
                 self._release(rows)
             if adding:
-                self._orders[order_r] = self._map(f"logit_order_{order_r}", adding.commit())
+                self._orders[order_r] = self._map(f"{ORDER_FILE}{order_r}", adding.commit())
         finally:
             if adding:
                 adding.discard()
@@ -423,7 +427,7 @@ def _read_manifest(directory: Path) -> dict:
 def _order_manifests(directory: Path) -> dict[Path, dict]:
     """The kept ``logit_order`` arrays that pass their checks (a failing one is removed)."""
     kept = {}
-    for manifest in directory.glob("logit_order_*.json"):
+    for manifest in directory.glob(f"{ORDER_FILE}*.json"):
         npy = manifest.with_suffix(".npy")
         try:
             info = json.loads(manifest.read_text())
@@ -532,10 +536,10 @@ class _NpyWriter:
 
 
 class _OrderBuild:
-    """``logit_order_<R>`` of a copy, written beside it during one forward pass over it."""
+    """``candidate_order_<R>`` of a copy, written beside it during one forward pass over it."""
 
     def __init__(self, directory: Path, r: int, num_tokens: int):
-        self.final = directory / f"logit_order_{r}.npy"
+        self.final = directory / f"{ORDER_FILE}{r}.npy"
         self.num_tokens = num_tokens
         self._tmp = temp_path(self.final)
         self._writer: _NpyWriter | None = None

@@ -35,10 +35,14 @@ L, E, K, T = 3, 80, 2, 60
 ORDERS = (0, 1, 4, 64)
 
 
-def lexsort_order(logits: np.ndarray, r: int) -> np.ndarray:
-    """The reference: ids by descending logit, ties by lower id."""
+def lexsort_order(logits: np.ndarray, r: int, exclude: np.ndarray | None = None) -> np.ndarray:
+    """The reference: ids by descending logit, ties by lower id, the ``exclude`` ids left out."""
     ids = np.broadcast_to(np.arange(logits.shape[-1]), logits.shape)
-    return np.lexsort((ids, -logits.astype(np.float64)), axis=-1)[..., :r].astype(np.int16)
+    order = np.lexsort((ids, -logits.astype(np.float64)), axis=-1)
+    if exclude is not None:  # the excluded ids moved behind the others, which keep their order
+        dropped = (order[..., :, None] == exclude[..., None, :]).any(axis=-1)
+        order = np.take_along_axis(order, np.argsort(dropped, axis=-1, kind="stable"), axis=-1)
+    return order[..., :r].astype(np.int16)
 
 
 def write(path: Path, top_r: int = 0, logits: bool = True, seed: int = 0) -> Path:
@@ -77,7 +81,7 @@ def expected(whole: TraceChunk, meta: TraceMeta, max_tokens, reverse: bool, logi
     chunks = list(ArraySource(meta, whole).iter_chunks(max_tokens or 10**9))
     for c in chunks:
         if order_r:
-            c.logit_order = lexsort_order(c.logits, min(order_r, E))
+            c.logit_order = lexsort_order(c.logits, min(order_r, E - K), c.experts)
         if not logits:
             c.logits = whole.logits[:0]
     return chunks[::-1] if reverse else chunks
@@ -128,6 +132,19 @@ def test_logit_order_is_the_lexsort_order_with_ties(r, dtype):
     got = logit_order(logits, r)
     assert got.dtype == np.int16 and got.shape == (200, 3, r)
     np.testing.assert_array_equal(got, lexsort_order(logits, r))
+    selected = np.argsort(rng.random(logits.shape), axis=-1)[..., :5]  # 5 distinct ids per row
+    got = logit_order(logits, r, exclude=selected)
+    np.testing.assert_array_equal(got, lexsort_order(logits, r, selected))
+    assert not (got[..., :, None] == selected[..., None, :]).any()
+    # the same over the ids of a sparse (top-R) row, 90 ids in any order, no -inf among them
+    finite = rng.integers(-4, 4, logits.shape).astype(dtype)
+    keep = np.argsort(rng.random(logits.shape), axis=-1)[..., :90]
+    sparse = np.take_along_axis(finite, keep, axis=-1)
+    dense = np.full_like(logits, -np.inf)
+    np.put_along_axis(dense, keep, sparse, axis=-1)
+    chosen = np.take_along_axis(keep, np.argsort(rng.random(keep.shape), axis=-1)[..., :5], axis=-1)
+    np.testing.assert_array_equal(logit_order(sparse, min(r, 85), keep, exclude=chosen),
+                                  logit_order(dense, min(r, 85), exclude=chosen))
 
 
 def test_a_trace_without_logits_has_no_order(tmp_path):
@@ -172,7 +189,7 @@ def test_the_cache_keeps_float16_within_20_percent_of_the_logits(tmp_path):
     for _ in cache.iter_chunks(order_r=64):
         pass
     on_disk = sum(p.stat().st_size for p in cache.directory.iterdir())
-    assert (cache.directory / "logit_order_64.npy").is_file()
+    assert (cache.directory / "candidate_order_64.npy").is_file()
     assert np.load(cache.directory / "logits.npy", mmap_mode="r").dtype == np.float16
     assert on_disk <= 1.2 * logits.nbytes, on_disk / logits.nbytes
 
@@ -191,7 +208,7 @@ def test_the_first_full_pass_builds_the_cache_from_one_decode(tmp_path, monkeypa
     read.clear()
     again = list(source.iter_chunks(7, order_r=4))
     assert read == [] and all(map(chunks_equal, again, first))
-    assert (source.directory / "logit_order_4.npy").is_file()  # kept by the building pass
+    assert (source.directory / "candidate_order_4.npy").is_file()  # kept by the building pass
 
 
 def test_a_pass_that_stops_early_or_fails_leaves_no_copy(tmp_path):
@@ -217,7 +234,7 @@ def test_a_kept_order_serves_every_smaller_r(tmp_path, monkeypatch):
     source.build()
     for _ in source.iter_chunks(order_r=64):  # computed from the copy, then kept
         pass
-    assert (source.directory / "logit_order_64.npy").is_file()
+    assert (source.directory / "candidate_order_64.npy").is_file()
 
     def no_computing(*args, **kwargs):
         raise AssertionError("the kept order was computed again")

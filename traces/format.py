@@ -76,8 +76,9 @@ float32 goes through a 256 KiB lookup table (``F16_TO_F32``), at most ``astype``
 Options every chunk source takes (``iter_chunks(max_tokens, *, logits=True, order_r=0)`` and
 ``iter_chunks_reversed`` alike): ``logits=False`` leaves the logits column unread and undecoded
 (``chunk.logits`` is (0, L, E)); ``order_r=R`` adds ``chunk.logit_order``, per token-layer the
-ids of the R highest logits (at most E), descending, ties by lower id: the order
-``np.lexsort((ids, -logits))`` gives. ``logits="float16"`` asks for the logits as stored, dense
+ids of the R highest logits among the experts it did not select (at most E - k), descending,
+ties by lower id: the order ``np.lexsort((ids, -logits))`` gives, the selected ids left out.
+Those are a substitute's candidates in logit order (a step's own selections are never one). ``logits="float16"`` asks for the logits as stored, dense
 float16 (no conversion; a view of the column where it can be): for consumers that compare only a
 few of them (the kernel converts a row when it needs one); a source holding float32 logits may
 give those instead, the values are the same.
@@ -288,7 +289,8 @@ class TraceChunk:
     weights of a token-layer divided by their sum). ``logits`` has shape (T, L, E) when the
     trace has logits (``-inf`` outside the top R of a top-R trace), else (0, L, E);
     ``residency`` likewise (T, L, k) or (0, L, k). ``logit_order`` (T, L, R): per token-layer
-    the ids of the R highest logits, descending, ties by lower id (a source's ``order_r``).
+    the ids of the R highest logits among the experts it did not select, descending, ties by
+    lower id (a source's ``order_r``).
     ``lookahead_ids`` / ``lookahead_logits`` are (T, L, D, R) when the trace has look-ahead
     routing (module docstring), else None.
     """
@@ -850,13 +852,16 @@ def _order_preserving(bits: np.ndarray) -> np.ndarray:
 _F16_SORT_KEY = _order_preserving(np.arange(2**16, dtype=np.uint16)).astype(np.uint32) << np.uint32(16)
 
 
-def logit_order(logits: np.ndarray, r: int, ids: np.ndarray | None = None) -> np.ndarray:
-    """int16 (..., r): the ids of the ``r`` highest logits, descending, ties by lower id.
+def logit_order(logits: np.ndarray, r: int, ids: np.ndarray | None = None,
+                exclude: np.ndarray | None = None) -> np.ndarray:
+    """int16 (..., r): the ids of the ``r`` highest logits, descending, ties by lower id;
+    ``exclude`` (..., k): ids left out (at least r others remain).
 
     ``logits`` (..., n) float16 or float32 (not NaN); their ids are 0..n-1, or ``ids`` (...,
     n). One sort key per logit (the logit made order-preserving, above 0xFFFF - id) is unique
     within a token-layer, so a partition and a sort of the r largest give exactly the order of
-    ``np.lexsort((ids, -logits))``. float16 keys come from a lookup table, in uint32.
+    ``np.lexsort((ids, -logits))``. float16 keys come from a lookup table, in uint32. An excluded
+    id's key is 0, below every logit's (even ``-inf`` keys above 0).
     """
     n = logits.shape[-1]
     low = 0xFFFF - (np.arange(n) if ids is None else ids.astype(np.int64))
@@ -866,22 +871,29 @@ def logit_order(logits: np.ndarray, r: int, ids: np.ndarray | None = None) -> np
     else:
         bits = np.ascontiguousarray(logits, dtype=np.float32).view(np.uint32)
         keys = (_order_preserving(bits).astype(np.uint64) << np.uint64(16)) | low.astype(np.uint64)
+    if exclude is not None and ids is None:
+        np.put_along_axis(keys, exclude.astype(np.int64), 0, axis=-1)
+    elif exclude is not None:
+        keys[(ids[..., :, None] == exclude[..., None, :]).any(axis=-1)] = 0
     keys.partition(n - r, axis=-1)
     top = np.sort(keys[..., n - r:], axis=-1)[..., ::-1]
     return (0xFFFF - (top & 0xFFFF)).astype(np.int16)
 
 
-def stored_logit_order(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None, r: int) -> np.ndarray:
-    """:func:`logit_order` of the dense logits, from the stored float16 ones (top-R with ids).
+def stored_logit_order(meta: TraceMeta, stored: np.ndarray, ids: np.ndarray | None, r: int,
+                       experts: np.ndarray) -> np.ndarray:
+    """:func:`logit_order` of the dense logits without the token-layers' selected ``experts``,
+    from the stored float16 ones (top-R with ids).
 
-    From a top-R trace's R stored logits alone when r <= R and none of them is ``-inf`` (the
-    experts outside the R are ``-inf``: they rank lower); otherwise over the dense logits.
+    From a top-R trace's R stored logits alone when r <= R - k (the R hold every selected
+    expert) and none of them is ``-inf`` (the experts outside the R are ``-inf``: they rank
+    lower); otherwise over the dense logits.
     """
     if ids is None:
-        return logit_order(stored, r)
-    if r <= ids.shape[-1] and not np.isneginf(stored).any():
-        return logit_order(stored, r, ids)
-    return logit_order(_dense_logits(meta, stored, ids), r)
+        return logit_order(stored, r, exclude=experts)
+    if r <= ids.shape[-1] - experts.shape[-1] and not np.isneginf(stored).any():
+        return logit_order(stored, r, ids, exclude=experts)
+    return logit_order(_dense_logits(meta, stored, ids), r, exclude=experts)
 
 
 def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
@@ -1384,7 +1396,7 @@ def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: i
                   logits: bool = True, order_r: int = 0) -> TraceChunk:
     """The chunk of checked on-disk columns (:meth:`TraceReader.iter_stored`); groups from
     ``first_group``. Logits become dense float32 if ``logits`` (dense float16 for
-    ``logits="float16"``); ``order_r`` (at most E) adds ``logit_order``."""
+    ``logits="float16"``); ``order_r`` (at most E - k) adds ``logit_order``."""
     cols = dict(stored)
     values, ids = cols.pop("logits", None), cols.pop("logit_ids", None)
     as_stored = logits == "float16"
@@ -1394,18 +1406,19 @@ def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: i
     if as_stored and values is not None:
         chunk.logits = decoded_logits(meta, values, ids, as_stored=True)
     if order_r:
-        chunk.logit_order = stored_logit_order(meta, values, ids, order_r)
+        chunk.logit_order = stored_logit_order(meta, values, ids, order_r, stored["experts"])
     return chunk
 
 
 def order_width(meta: TraceMeta, order_r: int) -> int:
-    """The R of ``logit_order`` for a source's ``order_r`` option: at most E; 0 for none."""
+    """The R of ``logit_order`` for a source's ``order_r`` option: at most E - k (the experts a
+    token-layer did not select); 0 for none."""
     order_r = int(order_r)
     if order_r < 0:
         raise ValueError(f"order_r must be >= 0, got {order_r}")
     if order_r and not meta.has_logits:
         raise ValueError("order_r needs a trace with logits")
-    return min(order_r, meta.num_experts)
+    return min(order_r, meta.num_experts - meta.top_k)
 
 
 def _whole_token_rows(pf: pq.ParquetFile, columns: list[str], tokens: int, num_layers: int,
@@ -1616,7 +1629,7 @@ class ArraySource:
         for start, stop, _ in plan:
             c = slice_chunk(self.chunk, int(start), int(stop))
             if order_r:
-                c.logit_order = logit_order(c.logits, order_r)
+                c.logit_order = logit_order(c.logits, order_r, exclude=c.experts)
             if not logits:
                 c.logits = self.chunk.logits[:0]
             yield c

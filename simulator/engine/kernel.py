@@ -74,7 +74,7 @@ class Chunk(NamedTuple):
     phase: np.ndarray  # int8[T]
     next_use: np.ndarray  # int32[T, L, k] next-use group ordinals (belady), or [0, L, k]
     lookahead_ids: np.ndarray  # int32[T, L, D, R] look-ahead routing by logit, or [0, L, 0, 0]
-    logit_order: np.ndarray  # int16[T, L, R] ids of the R highest logits (ties: lower id), or [0, L, 0]
+    logit_order: np.ndarray  # int16[T, L, R] ids of the R highest unselected logits (ties: lower id), or [0, L, 0]
 
 
 class TokenOut(NamedTuple):

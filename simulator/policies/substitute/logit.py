@@ -3,11 +3,13 @@
 With top-R logits (``meta.logits_top_r``) the experts outside the R read as ``-inf``, so they
 rank below every expert inside them and tie among themselves (the lower id wins).
 
-The kernel walks the token-layer's ``top_r`` highest logit ids (``chunk.logit_order``, built once
-when the trace is decoded and kept in the trace cache) until it meets an eligible resident, and
-scans the layer's residents only when none of the ``top_r`` is eligible. The order is the full
-ranking's prefix (logit descending, ties by the lower id), so both give the same expert at every
-``top_r``; ``top_r=0`` always scans.
+The kernel walks the token-layer's ``top_r`` highest logit ids among the experts it did not
+select (``chunk.logit_order``, built once when the trace is decoded and kept in the trace cache)
+until it meets an eligible resident, and scans the layer's residents only when none of the
+``top_r`` is eligible. A step's selected experts are never eligible (they are marked before its
+lookups), so leaving them out changes no choice; the rest is the full ranking's prefix (logit
+descending, ties by the lower id), so walk and scan give the same expert at every ``top_r``;
+``top_r=0`` always scans.
 
 Logits may come as stored, float16 (``chunk.logit_bits``: the kernel reads no other logit than
 the walk's order): the exact scan then converts the token-layer's row once, through a lookup
@@ -29,8 +31,8 @@ NEEDS_LOGITS = True
 @dataclass(frozen=True)
 class Options:
     top_r: int = field(default=64, metadata={
-        "help": "substitute_by=logit: walk the R highest logit ids of a token-layer before scanning "
-                "the residents (same choices at every R; 0 = always scan)", "min": 0})
+        "help": "substitute_by=logit: walk the R highest logit ids a token-layer did not select "
+                "before scanning the residents (same choices at every R; 0 = always scan)", "min": 0})
 
 
 class State(NamedTuple):
