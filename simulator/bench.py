@@ -29,10 +29,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 from traces.atomic import atomic_write_text
+from traces.errors import EXIT_INPUT_ERROR
 
 # ---- what is measured ---------------------------------------------------------------------
 
@@ -986,6 +988,25 @@ def _note_figures(fig: dict) -> dict:
     }
 
 
+def _fail(message: str) -> NoReturn:
+    print(f"moe-bench: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_INPUT_ERROR)
+
+
+def _read_figures(path: str) -> dict:
+    """The figures a run wrote with --json; one error line and exit 2 where they cannot be read."""
+    try:
+        figures = json.loads(Path(path).read_text())
+    except OSError as exc:
+        _fail(f"--from-json {path}: cannot be read ({exc.strerror or exc}); pass the file `make "
+              "bench` wrote (docs/benchmarks.json)")
+    except ValueError as exc:
+        _fail(f"--from-json {path}: is not JSON ({exc}); pass the file `make bench` wrote")
+    if not isinstance(figures, dict):
+        _fail(f"--from-json {path}: holds no figures object; pass the file `make bench` wrote")
+    return figures
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="moe-bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the Markdown report here (e.g. docs/BENCHMARKS.md)")
@@ -1005,7 +1026,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(WORKERS[task.pop("kind")](task)))
         return
     if args.from_json:
-        figures = json.loads(Path(args.from_json).read_text())
+        figures = _read_figures(args.from_json)
     else:
         work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="moe-bench-"))
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -1014,7 +1035,11 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             if not args.work_dir:
                 shutil.rmtree(work_dir, ignore_errors=True)
-    report = render(figures)
+    try:
+        report = render(figures)
+    except KeyError as exc:
+        _fail(f"{args.from_json or 'the run'}: figures lack {exc}; write them again with "
+              "`make bench` (--json) from this version")
     print(report)
     if args.json:
         atomic_write_text(args.json, json.dumps(figures, indent=1))
