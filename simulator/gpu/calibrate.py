@@ -1041,7 +1041,7 @@ COMPUTE_SECTIONS = ("gpu_expert", "nonexpert", "fixed", "cpu_expert")
 SAME_HOST = ("gpu", "pcie", "cpu")  # host facts that must agree between pooled calibrations
 
 
-def _pool_entry(a: dict, b: dict) -> dict:
+def pool_entry(a: dict, b: dict) -> dict:
     """One measurement's samples from two calibrations: every ``*_us`` list concatenated; the
     SSD summary (median, p90 over the kept quantiles; reads; bandwidth) recomputed."""
     out = dict(a)
@@ -1053,6 +1053,33 @@ def _pool_entry(a: dict, b: dict) -> dict:
         out.update(reads=a["reads"] + b["reads"], median_us=median(t), p90_us=t[int(0.9 * (len(t) - 1))],
                    gbps=statistics.mean([a["gbps"], b["gbps"]]), times_us=t)
     return out
+
+
+def measure_disk_like(device, path: Path, calibration: dict, seed: int) -> list[dict]:
+    """The read-then-copy pipelines of ``calibration`` (a samples JSON) measured again on the
+    expert file ``path``: its expert sizes and pipeline length, 3 repetitions each."""
+    n = int(calibration["args"]["read_copy_experts"])
+    return [r for b in calibration["expert_bytes"] for r in measure_read_copy(device, path, b, n, 3, seed)]
+
+
+def disk_samples(calibration: dict, host: dict, rounds: Sequence[tuple[float, list[dict]]]) -> dict:
+    """Disk samples taken in rounds (``(seconds from the first, read_copy entries)``) as one
+    samples JSON that ``--from-samples`` pools with ``calibration``: its sizes, these entries
+    pooled, and per round the back-to-back fit, so that the disk's drift is on record."""
+    pooled: dict[tuple, dict] = {}
+    for _, entries in rounds:
+        for e in entries:
+            key = tuple(e.get(f) for f in LINK_SECTIONS["read_copy"])
+            pooled[key] = pool_entry(pooled[key], e) if key in pooled else e
+    per_round = []
+    for t, entries in rounds:
+        fit = _ssd_back_to_back_fit(entries)
+        per_round.append(dict(at_s=round(t, 1), ssd_back_to_back=asdict(fit) if fit else None))
+    return dict(host=host, date=_dt.date.today().isoformat(), args=dict(calibration["args"], link_only=True,
+                disk_only=True), expert_bytes=calibration["expert_bytes"],
+                max_copy_bytes=calibration["max_copy_bytes"], models=calibration.get("models", {}),
+                read_copy=list(pooled.values()), rounds=per_round,
+                ssd_note=f"read-then-copy pipelines only, in {len(rounds)} rounds")
 
 
 def pool_samples(runs: Sequence[dict], names: Sequence[str] = ()) -> dict:
@@ -1079,7 +1106,7 @@ def pool_samples(runs: Sequence[dict], names: Sequence[str] = ()) -> dict:
                 continue
             if isinstance(theirs, dict):  # one entry (copy_order)
                 mine = out.get(section)
-                out[section] = _pool_entry(mine, theirs) if mine else theirs
+                out[section] = pool_entry(mine, theirs) if mine else theirs
                 continue
             index = {tuple(e.get(f) for f in fields): j for j, e in enumerate(out.get(section) or [])}
             pooled = out.setdefault(section, [])
@@ -1088,7 +1115,7 @@ def pool_samples(runs: Sequence[dict], names: Sequence[str] = ()) -> dict:
                 if j is None:
                     pooled.append(e)
                 else:
-                    pooled[j] = _pool_entry(pooled[j], e)
+                    pooled[j] = pool_entry(pooled[j], e)
         for section in COMPUTE_SECTIONS:
             if section not in out and section in run:
                 out[section] = run[section]

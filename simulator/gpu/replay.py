@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from simulator.gpu.calibrate import host_facts
+from simulator.gpu.calibrate import disk_samples, host_facts, measure_disk_like
 from simulator.gpu.kernels import (
     GIB,
     MIB,
@@ -549,34 +549,50 @@ def run_name(policy: str, fraction: float, hardware: dict) -> str:
     return f"{policy}@{fraction:g}" + (f"+ram{ram / GIB:g}GiB" if ram is not None else "")
 
 
-def cmd_plan(args) -> None:
+def _plan_one(job: tuple) -> tuple[RunPlan, dict]:
+    """One run of ``moe-replay plan``: compose its config, read the trace, decide and record;
+    with the trace's shape and the expert size for the plan file's header."""
     from simulator.run import build_params, open_source
 
+    trace, policy, fraction, model, profile, hardware, extra = job
+    cfg, overrides = compose_run_config(trace, policy, fraction, model, dict(profile, **hardware), extra)
+    source = open_source(cfg["trace"])
+    meta = source.meta
+    params, _ = build_params(cfg, meta)
+    t0 = time.perf_counter()
+    plan = plan_run(params, meta, _whole(source), run_name(policy, fraction, hardware), policy, fraction,
+                    overrides, hardware)
+    log(f"planned {plan.name}: {len(plan.steps)} steps, {plan.num_slots} slots, "
+        f"{plan.num_transfers} background transfers, {len(plan.reads)} SSD reads, simulated "
+        f"{plan.sim_decode_us.mean() / 1e3:.3f} ms/token ({time.perf_counter() - t0:.1f} s)")
+    shape = dict(model=model or meta.model, trace_model=meta.model, num_layers=meta.num_layers,
+                 num_experts=meta.num_experts, top_k=meta.top_k, has_logits=bool(meta.has_logits),
+                 expert_bytes=int(params.expert_bytes[0]))
+    return plan, shape
+
+
+def cmd_plan(args) -> None:
+    if args.jobs < 1:
+        raise InputError(f"--jobs {args.jobs}: give the number of runs to plan at once, at least 1")
     profile = load_profile(args.profile)
-    runs = []
-    header = None
-    for policy in _split(args.policies):
-        for fraction in (float(f) for f in _split(args.fractions)):
-            for hardware in host_ram_settings(args.host_ram, args.pinned_share):
-                cfg, overrides = compose_run_config(args.trace, policy, fraction, args.model,
-                                                    dict(profile, **hardware), args.override)
-                source = open_source(cfg["trace"])
-                meta = source.meta
-                chunk = _whole(source)
-                params, _ = build_params(cfg, meta)
-                t0 = time.perf_counter()
-                name = run_name(policy, fraction, hardware)
-                plan = plan_run(params, meta, chunk, name, policy, fraction, overrides, hardware)
-                log(f"planned {name}: {len(plan.steps)} steps, {plan.num_slots} slots, "
-                    f"{plan.num_transfers} background transfers, {len(plan.reads)} SSD reads, simulated "
-                    f"{plan.sim_decode_us.mean() / 1e3:.3f} ms/token ({time.perf_counter() - t0:.1f} s)")
-                runs.append(plan)
-                if header is None:
-                    header = dict(trace=args.trace, label=args.label, profile=args.profile,
-                                  profile_name=profile.get("name"), model=args.model or meta.model,
-                                  trace_model=meta.model, num_layers=meta.num_layers, num_experts=meta.num_experts,
-                                  top_k=meta.top_k, has_logits=bool(meta.has_logits),
-                                  expert_bytes=int(params.expert_bytes[0]), extra_overrides=list(args.override))
+    jobs = [(args.trace, policy, fraction, args.model, profile, hardware, list(args.override))
+            for policy in _split(args.policies)
+            for fraction in (float(f) for f in _split(args.fractions))
+            for hardware in host_ram_settings(args.host_ram, args.pinned_share)]
+    # the first run here, so that a bad trace or override stops with its one line before any fork
+    first, shape = _plan_one(jobs[0])
+    runs = [first]
+    if args.jobs > 1 and len(jobs) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        fork = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(args.jobs, len(jobs) - 1), mp_context=fork) as pool:
+            runs += [plan for plan, _ in pool.map(_plan_one, jobs[1:])]
+    else:
+        runs += [_plan_one(job)[0] for job in jobs[1:]]
+    header = dict(trace=args.trace, label=args.label, profile=args.profile, profile_name=profile.get("name"),
+                  profile_date=profile.get("host", {}).get("date"), **shape, extra_overrides=list(args.override))
     save_plans(Path(args.out), header, runs)
     _, saved = load_plans(Path(args.out))
     for arrays in saved.values():
@@ -870,6 +886,7 @@ def cmd_run(args) -> None:
                              "to test; created if missing)")
         ssd_file = write_expert_file(Path(args.ssd_file), args.ssd_file_mib * MIB)
     facts = host_facts(device)
+    sample_disk = _disk_sampler(args, device, ssd_file, facts)
     log(f"host: {facts.get('gpu')}; {len(selected)} runs; model {model}; {host_layers} host layers"
         + (f"; expert file {ssd_file}" if ssd_file else ""))
     max_n = header["top_k"]
@@ -905,6 +922,7 @@ def cmd_run(args) -> None:
     # over the minutes of a lease moves every run alike instead of one run's repeats.
     reps: dict[str, list[np.ndarray]] = {r["name"]: [] for r in selected}
     for rep in range(args.repeats):
+        sample_disk()
         for r in selected:
             arrays = runs[r["name"]]
             decode = arrays["group_phase"] == PHASE_DECODE
@@ -916,7 +934,37 @@ def cmd_run(args) -> None:
             # after every execution: a cut-off replay keeps what it measured
             out["runs"] = [_run_result(q, runs[q["name"]], reps[q["name"]]) for q in selected if reps[q["name"]]]
             _write_results(Path(args.out), out)
+    sample_disk()
     log(f"wrote {Path(args.out) / 'replay.json'}")
+
+
+def _disk_sampler(args, device, ssd_file: Path | None, facts: dict) -> Callable[[], None]:
+    """With ``--disk-samples CALIBRATION``: a call that measures the calibration's read-then-copy
+    pipelines on the expert file and rewrites ``disk.samples.json`` beside replay.json with every
+    round so far (the runs call it before each round and after the last); else a no-op."""
+    if not args.disk_samples:
+        return lambda: None
+    path = Path(args.disk_samples)
+    try:
+        calibration = json.loads(path.read_text())
+        calibration["args"]["read_copy_experts"], calibration["expert_bytes"], calibration["max_copy_bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError(f"--disk-samples {path}: not the samples JSON of a moe-calibrate run; give the "
+                         "<profile>.samples.json it wrote") from None
+    if ssd_file is None:
+        raise InputError("--disk-samples needs a plan that reads from the SSD (and --ssd-file)")
+    rounds: list[tuple[float, list[dict]]] = []
+    t0 = time.perf_counter()
+
+    def sample() -> None:
+        rounds.append((time.perf_counter() - t0, measure_disk_like(device, ssd_file, calibration, len(rounds))))
+        fit = disk_samples(calibration, facts, rounds[-1:])["rounds"][0]["ssd_back_to_back"]
+        log(f"disk round {len(rounds)}: " + (f"{fit['bandwidth_gbps']:.3f} GB/s back to back" if fit else "measured"))
+        out = Path(args.out) / "disk.samples.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(disk_samples(calibration, facts, rounds), indent=1) + "\n")
+
+    return sample
 
 
 def _run_result(r: dict, arrays: dict[str, np.ndarray], reps: list[np.ndarray]) -> dict:
@@ -1071,7 +1119,7 @@ def _profile_terms(profile: dict, model: str | None) -> str:
     return text
 
 
-def _render_section(w, measured: dict, profile: dict, rows: list[dict], engine: str) -> None:
+def _render_section(w, measured: dict, profile: dict, profile_path: str, rows: list[dict], engine: str) -> None:
     """One measured file's section: set-up, the time table, speedups, the gap; SSD rows apart."""
     h = measured["header"]
     dims = measured.get("dims", {})
@@ -1084,7 +1132,9 @@ def _render_section(w, measured: dict, profile: dict, rows: list[dict], engine: 
       f"top-{h.get('top_k')}, {'full router logits' if h.get('has_logits', True) else 'no router logits'}; "
       f"{n_tokens} decode tokens timed per run; moe-sim overrides "
       f"`{' '.join(measured['runs'][0]['overrides'][3:])}` besides trace, policy and fraction.\n")
-    w(f"- Profile: {_profile_terms(profile, h.get('model'))}\n")
+    planned = ("; the plan was made with it" if h.get("profile") == profile_path else
+               f"; the plan was made with `{h.get('profile')}`")
+    w(f"- Profile `{profile_path}`{planned}: {_profile_terms(profile, h.get('model'))}\n")
     where = (f"{measured.get('host_layers')} layers of experts in pinned host memory, trace layer l reading host "
              f"layer l mod {measured.get('host_layers')}" if measured.get("host_layers") else "")
     if tiered:
@@ -1177,21 +1227,27 @@ def _render_ssd(w, rows: list[dict]) -> None:
     w("\n\n")
 
 
-def render_validation(sections: list[tuple[dict, list[dict]]], profile: dict, profile_path: str,
-                      engine: str) -> str:
+def render_validation(sections: list[tuple[dict, list[dict], dict, str]], engine: str) -> str:
     """docs/VALIDATION.md: a summary per shape and trace, then per measured file its set-up,
-    measured-vs-simulated table, speedups, the per-token gap and its SSD rows."""
-    host = sections[0][0].get("host", {})
+    measured-vs-simulated table, speedups, the per-token gap and its SSD rows. ``sections``:
+    (measured, compared rows, profile, profile path) per measured file."""
     out = io.StringIO()
     w = out.write
     w("# Validation: simulated against measured time per token\n\n")
     w("Written by `moe-replay compare` from the measurements of `moe-replay run` (commands below).\n\n")
-    w(f"- Host: {host.get('gpu', '?')}, PCIe {host.get('pcie', '?')}, CPU {host.get('cpu', '?')} "
-      f"x{host.get('cpu_count', '?')}, torch {host.get('torch', '?')}.\n")
-    w(f"- Hardware profile `{profile_path}` ({profile.get('source')}, {profile['host'].get('date')}).\n\n")
+    hosts = {_host_line(measured.get("host", {})) for measured, *_ in sections}
+    profiles = {(path, profile.get("source"), profile["host"].get("date")) for _, _, profile, path in sections}
+    w("".join(f"- Host: {h}.\n" for h in sorted(hosts)))
+    if len(profiles) == 1:
+        (path, source, date), = profiles
+        w(f"- Hardware profile `{path}` ({source}, {date}).\n\n")
+    else:
+        w("- Hardware profiles, per section: " + "; ".join(
+            f"{section_title(measured)}: `{path}` ({profile.get('source')}, {profile['host'].get('date')})"
+            for measured, _, profile, path in sections) + ".\n\n")
     w("## Summary\n\n| shape and trace | rows | mean abs. error | max abs. error | target | met |\n"
       "|---|---:|---:|---:|---|:---:|\n")
-    for measured, rows in sections:
+    for measured, rows, *_ in sections:
         flat = [r for r in rows if not _tiered(r)]
         every_row = (ROW_TOLERANCE, ROW_TOLERANCE)
         for label, part, target in (("", flat, SHAPE_TARGET),
@@ -1205,25 +1261,35 @@ def render_validation(sections: list[tuple[dict, list[dict]]], profile: dict, pr
             w(f"| {section_title(measured)}{label} | {len(part)} | {mean:.1%} | {worst:.1%} | {goal} | "
               f"{'yes' if mean <= target[0] and worst <= target[1] else '**no**'} |\n")
     w("\n")
-    for measured, rows in sections:
-        _render_section(w, measured, profile, rows, engine)
+    for measured, rows, profile, path in sections:
+        _render_section(w, measured, profile, path, rows, engine)
     return out.getvalue()
 
 
+def _host_line(host: dict) -> str:
+    return (f"{host.get('gpu', '?')}, PCIe {host.get('pcie', '?')}, CPU {host.get('cpu', '?')} "
+            f"x{host.get('cpu_count', '?')}, torch {host.get('torch', '?')}")
+
+
 def cmd_compare(args) -> None:
+    if len(args.profile) not in (1, len(args.measured)):
+        raise InputError(f"--profile given {len(args.profile)} times for {len(args.measured)} measured files; "
+                         "give one profile for all, or one per measured file in their order")
+    paths = args.profile * len(args.measured) if len(args.profile) == 1 else args.profile
+    profiles = {path: load_profile(path) for path in paths}
     sections = []
-    profile = load_profile(args.profile)
-    for name in args.measured:
+    for name, path in zip(args.measured, paths, strict=True):
         measured = _read_measured(name)
+        profile = profiles[path]
         rows = compare_runs(measured, profile, lambda o, p: simulate_with_profile(o, p, args.engine))
-        sections.append((measured, rows))
-    text = render_validation(sections, profile, args.profile, args.engine)
+        sections.append((measured, rows, profile, path))
+    text = render_validation(sections, args.engine)
     out = Path(args.out)
     notes = "\n"
     if out.exists() and NOTES_MARKER in out.read_text():
         notes = out.read_text().split(NOTES_MARKER, 1)[1]
     atomic_write_text(out, text + NOTES_MARKER + notes)
-    for measured, rows in sections:
+    for measured, rows, *_ in sections:
         print(section_title(measured))
         for r in rows:
             print(f"  {r['name']:>28s}: measured {r['measured_ms']:8.3f}  simulated {r['simulated_ms']:8.3f}  "
@@ -1278,6 +1344,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--label", default="", help="the shape and trace in words, for compare's section title")
     pl.add_argument("--override", action="append", default=[], help="extra moe-sim override (repeatable)")
     pl.add_argument("--out", required=True, help="plan file to write (.npz)")
+    pl.add_argument("--jobs", type=int, default=1, help="runs planned at once, in worker processes")
     rn = sub.add_parser("run", help="execute a plan on the GPU and time every token")
     rn.add_argument("--plan", required=True, help="plan file from 'moe-replay plan'")
     rn.add_argument("--out", required=True, help="directory for replay.json")
@@ -1299,9 +1366,14 @@ def parser() -> argparse.ArgumentParser:
     rn.add_argument("--ctx", type=int, default=1024, help="KV-cache length of full-attention layers")
     rn.add_argument("--repeats", type=int, default=1, help="executions per run (times averaged per token)")
     rn.add_argument("--only", default="", help="comma-separated run names to execute (default: all)")
+    rn.add_argument("--disk-samples", default=None, metavar="CALIBRATION",
+                    help="a calibration's samples JSON: measure its read-then-copy pipelines on the expert file "
+                         "before each round and after the last, into disk.samples.json beside replay.json (pool "
+                         "them with moe-calibrate --from-samples CALIBRATION,DISK)")
     cp = sub.add_parser("compare", help="simulate the same runs and write docs/VALIDATION.md")
     cp.add_argument("measured", nargs="+", help="replay.json files from 'moe-replay run', one section each")
-    cp.add_argument("--profile", required=True, help="hardware profile YAML")
+    cp.add_argument("--profile", required=True, action="append",
+                    help="hardware profile YAML: once for all measured files, or once per file in their order")
     cp.add_argument("--out", default="docs/VALIDATION.md")
     cp.add_argument("--engine", default="numba", choices=("numba", "reference"))
     sm = sub.add_parser("summary", help="measured against the plan's simulated times (no Hydra needed)")
