@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import statistics
 import sys
 import threading
@@ -1034,6 +1035,7 @@ def compare_runs(measured: dict, profile: dict, simulate) -> list[dict]:
                          stall_ms=summary.get("stall_ms_per_token"), gap_us=(meas_us - np.asarray(sim_us)).tolist(),
                          fetches=r.get("fetches_per_token"), background=r.get("background_per_token"),
                          ssd_reads=r.get("ssd_reads_per_token"), repeats_ms=r.get("repeat_ms_per_token") or [],
+                         plan_simulated_ms=r.get("simulated_ms_per_token"),
                          changed=changed))
     return rows
 
@@ -1132,8 +1134,10 @@ def _render_section(w, measured: dict, profile: dict, profile_path: str, rows: l
       f"top-{h.get('top_k')}, {'full router logits' if h.get('has_logits', True) else 'no router logits'}; "
       f"{n_tokens} decode tokens timed per run; moe-sim overrides "
       f"`{' '.join(measured['runs'][0]['overrides'][3:])}` besides trace, policy and fraction.\n")
-    planned = ("; the plan was made with it" if h.get("profile") == profile_path else
-               f"; the plan was made with `{h.get('profile')}`")
+    same = sum(math.isclose(r["simulated_ms"], r["plan_simulated_ms"], rel_tol=1e-9) for r in rows
+               if r.get("plan_simulated_ms") is not None)
+    planned = (f"; the plan was made with `{h.get('profile')}` ({h.get('profile_name')}, {h.get('profile_date')}), "
+               f"and re-simulated here {same} of {len(rows)} runs take the plan's own times")
     w(f"- Profile `{profile_path}`{planned}: {_profile_terms(profile, h.get('model'))}\n")
     where = (f"{measured.get('host_layers')} layers of experts in pinned host memory, trace layer l reading host "
              f"layer l mod {measured.get('host_layers')}" if measured.get("host_layers") else "")
