@@ -84,6 +84,8 @@ ORDER_FILE = "candidate_order_"
 MANIFEST = "manifest.json"
 _PER_TOKEN = ("seq", "pos", "phase", "group", "domain", "token_id", "nll")  # from the decoded chunk
 _STORED = ("experts", "residency", "logits", "logit_ids")  # as the trace stores them
+# a pass drops the pages of the rows it has read from its mapping each time they add up to this
+RELEASE_BYTES = 256 * 2**20
 _LOOKAHEAD = {"lookahead_ids": np.int16, "lookahead_logits": np.float16}  # decoded, narrowed
 _CRC_BLOCK = 16 * 2**20
 
@@ -149,33 +151,33 @@ class CachedTrace:
             self._mapped(manifest)
 
     def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
-                    order_r: int = 0) -> Iterator[TraceChunk]:
+                    order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """Chunks of whole groups in trace order (default size as the Parquet reader's);
-        ``logits`` and ``order_r`` as every source's (traces/format.py, *Options*)."""
-        return self._chunks(self._size(max_tokens), False, logits, order_width(self.meta, order_r))
+        ``logits``, ``order_r`` and ``stored_ids`` as every source's (traces/format.py, *Options*)."""
+        return self._chunks(self._size(max_tokens), False, logits, order_width(self.meta, order_r), stored_ids)
 
     def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
-                             order_r: int = 0) -> Iterator[TraceChunk]:
+                             order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first (a copy not yet built is built first)."""
-        return self._chunks(self._size(max_tokens), True, logits, order_width(self.meta, order_r))
+        return self._chunks(self._size(max_tokens), True, logits, order_width(self.meta, order_r), stored_ids)
 
     def build(self) -> None:
         """Decode the trace into the cache now, if no copy is there yet."""
-        for _ in self._chunks(self._size(self._build_tokens), False, False, 0, build_only=True):
+        for _ in self._chunks(self._size(self._build_tokens), False, False, 0, False, build_only=True):
             pass
 
     def _size(self, max_tokens: int | None) -> int:
         return default_max_tokens(self.meta) if max_tokens is None else int(max_tokens)
 
-    def _chunks(self, max_tokens: int, descending: bool, logits: bool, order_r: int,
+    def _chunks(self, max_tokens: int, descending: bool, logits: bool, order_r: int, stored_ids: bool,
                 build_only: bool = False) -> Iterator[TraceChunk]:
         if self._arrays is None and self._lock.acquire(blocking=False):
             try:
                 if self._arrays is None:
                     if not (descending or build_only):
-                        yield from self._building(max_tokens, logits, order_r)
+                        yield from self._building(max_tokens, logits, order_r, stored_ids)
                         return
-                    for _ in self._building(max_tokens, False, 0):  # not backwards: build, then serve
+                    for _ in self._building(max_tokens, False, 0, False):  # not backwards: build, then serve
                         pass
             finally:
                 self._lock.release()
@@ -184,11 +186,11 @@ class CachedTrace:
         if self._arrays is None:  # another pass is building the copy: read the trace itself
             with open_trace(self.path) as reader:
                 iterate = reader.iter_chunks_reversed if descending else reader.iter_chunks
-                yield from iterate(max_tokens, logits=logits, order_r=order_r)
+                yield from iterate(max_tokens, logits=logits, order_r=order_r, stored_ids=stored_ids)
             return
-        yield from self._from_copy(max_tokens, descending, logits, order_r)
+        yield from self._from_copy(max_tokens, descending, logits, order_r, stored_ids)
 
-    def _building(self, max_tokens: int, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+    def _building(self, max_tokens: int, logits: bool, order_r: int, stored_ids: bool) -> Iterator[TraceChunk]:
         """Stream the Parquet file, yielding its chunks and writing the copy; put it in place at
         the end (the content checked against the trace's recorded hash first)."""
         root = self.directory.parent
@@ -201,7 +203,8 @@ class CachedTrace:
                 content = ContentHash(self.meta)
                 for first_group, stored in reader.iter_stored(max_tokens):
                     content.update(stored)
-                    chunk = decode_stored(self.meta, stored, first_group, logits=logits, order_r=order_r)
+                    chunk = decode_stored(self.meta, stored, first_group, logits=logits, order_r=order_r,
+                                          stored_ids=stored_ids)
                     arrays = {**{n: getattr(chunk, n) for n in _PER_TOKEN if getattr(chunk, n) is not None},
                               "gates": chunk.gates, **{n: stored[n] for n in _STORED if n in stored},
                               **{n: getattr(chunk, n).astype(t) for n, t in _LOOKAHEAD.items()
@@ -267,20 +270,21 @@ class CachedTrace:
         return array
 
     def _from_copy(self, max_tokens: int, descending: bool, logits: bool,
-                   order_r: int) -> Iterator[TraceChunk]:
+                   order_r: int, stored_ids: bool) -> Iterator[TraceChunk]:
         a, meta = self._arrays, self.meta
         plan = group_plan(a["group"], max_tokens)
         kept = min((r for r in self._orders if r >= order_r), default=None) if order_r else None
         adding = None
         if order_r and kept is None and not descending and self._lock.acquire(blocking=False):
             adding = _OrderBuild(self.directory, order_r, self.num_tokens)
+        pending = None  # rows read since the last release
         try:
             for start, stop, _ in (plan[::-1] if descending else plan):
                 rows = slice(int(start), int(stop))
                 ids = a["logit_ids"][rows] if "logit_ids" in a else None
                 chunk = TraceChunk(
                     **{n: a[n][rows] for n in ("seq", "pos", "phase", "group", "domain", "token_id", "gates")},
-                    experts=a["experts"][rows].astype(np.int32),
+                    experts=a["experts"][rows] if stored_ids else a["experts"][rows].astype(np.int32),
                     logits=(decoded_logits(meta, a["logits"][rows], ids, as_stored=logits == "float16")
                             if logits and "logits" in a
                             else np.zeros((0, meta.num_layers, meta.num_experts), np.float32)),
@@ -299,7 +303,11 @@ class CachedTrace:
                     if adding:
                         adding.append(chunk.logit_order)
                 yield chunk
-                self._release(rows)
+                pending = rows if pending is None else slice(min(pending.start, rows.start),
+                                                             max(pending.stop, rows.stop))
+                if (pending.stop - pending.start) * self._token_bytes >= RELEASE_BYTES:
+                    self._release(pending)
+                    pending = None
             if adding:
                 self._orders[order_r] = self._map(f"{ORDER_FILE}{order_r}", adding.commit())
         finally:
@@ -307,8 +315,15 @@ class CachedTrace:
                 adding.discard()
                 self._lock.release()
 
+    @property
+    def _token_bytes(self) -> int:
+        """Bytes one token's rows take in the mapped arrays."""
+        return sum(array[:1].nbytes for array, _ in self._maps) or 1
+
     def _release(self, rows: slice) -> None:
-        """Drop the pages of a chunk's rows from this process once the next chunk is asked for.
+        """Drop the pages of rows already served from this process (every ``RELEASE_BYTES`` of
+        them, so a pass's memory stays bounded while repeated passes over a small copy find its
+        pages still mapped).
 
         The pages stay in the page cache (shared by all jobs); a view still held elsewhere
         reads them back in on access, so this changes memory use, never values (unless a

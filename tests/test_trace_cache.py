@@ -61,6 +61,25 @@ def test_cached_chunks_equal_the_readers(trace_file, tmp_path, max_tokens):
                            reader.iter_chunks_reversed(max_tokens))
 
 
+def test_stored_ids_are_the_int16_ids_of_every_source(trace_file, tmp_path):
+    """stored_ids=True: the reader and the cache give the ids as stored (int16), the same values;
+    the same chunks otherwise; the engine's results do not change with them."""
+    cached = cached_source(trace_file, tmp_path / "c")
+    list(cached.iter_chunks())  # builds the copy
+    with open_trace(trace_file) as reader:
+        for source in (reader, cached):
+            for wide, narrow in zip(source.iter_chunks(7), source.iter_chunks(7, stored_ids=True), strict=True):
+                assert wide.experts.dtype == np.int32 and narrow.experts.dtype == np.int16
+                assert np.array_equal(wide.experts, narrow.experts)
+                narrow.experts = wide.experts
+                assert_same_chunks([wide], [narrow])
+        cfg = OmegaConf.to_container(compose(["policy=quality_first", "cache.fraction=0.25"]), resolve=True)
+        params = build_params(cfg, reader.meta)[0]
+        by_engine = [simulate(s, params, engine=e) for s in (reader, cached) for e in ("numba", "reference")]
+    for r in by_engine[1:]:
+        assert np.array_equal(r.time_us, by_engine[0].time_us) and np.array_equal(r.layer_hits, by_engine[0].layer_hits)
+
+
 def test_second_open_reuses_the_copy_without_parquet(trace_file, tmp_path, monkeypatch):
     first = cached_source(trace_file, tmp_path / "c")
     assert first.built

@@ -73,12 +73,16 @@ compact_logits=True)``, ``moe-trace repack --compact-logits``; every earlier ver
 is for files that must stay small, such as the bundled sample; readers take both. float16 ->
 float32 goes through a 256 KiB lookup table (``F16_TO_F32``), at most ``astype``'s time.
 
-Options every chunk source takes (``iter_chunks(max_tokens, *, logits=True, order_r=0)`` and
+Options every chunk source takes (``iter_chunks(max_tokens, *, logits=True, order_r=0,
+stored_ids=False)`` and
 ``iter_chunks_reversed`` alike): ``logits=False`` leaves the logits column unread and undecoded
 (``chunk.logits`` is (0, L, E)); ``order_r=R`` adds ``chunk.logit_order``, per token-layer the
 ids of the R highest logits among the experts it did not select (at most E - k), descending,
 ties by lower id: the order ``np.lexsort((ids, -logits))`` gives, the selected ids left out.
-Those are a substitute's candidates in logit order (a step's own selections are never one). ``logits="float16"`` asks for the logits as stored, dense
+Those are a substitute's candidates in logit order (a step's own selections are never one).
+``stored_ids=True`` lets a source give the expert ids as stored, int16, where int32 would cost a
+conversion (a source holding int32 may give those; widen before arithmetic on them: the
+kernel reads them as int16). ``logits="float16"`` asks for the logits as stored, dense
 float16 (no conversion; a view of the column where it can be): for consumers that compare only a
 few of them (the kernel converts a row when it needs one); a source holding float32 logits may
 give those instead, the values are the same.
@@ -412,6 +416,7 @@ def make_chunk(
     lookahead_logits: np.ndarray | None = None,
     lookahead_ids: np.ndarray | None = None,
     first_group: int = 0,
+    ids_dtype=np.int32,
 ) -> TraceChunk:
     """A :class:`TraceChunk` from token arrays: weights (T, L, k) become gates, dtypes as documented.
 
@@ -438,7 +443,7 @@ def make_chunk(
         group=group_ids(cols["seq"], cols["phase"], first_group),
         domain=cols["domain"] if "domain" in cols else np.full(t, -1, np.int16),
         token_id=cols["token_id"] if "token_id" in cols else np.full(t, -1, np.int32),
-        experts=np.ascontiguousarray(cols["experts"], dtype=np.int32),
+        experts=np.ascontiguousarray(cols["experts"], dtype=ids_dtype),
         gates=np.ascontiguousarray(gates),
         logits=(np.ascontiguousarray(logits, dtype=np.float32) if logits is not None
                 else np.zeros((0, num_layers, meta.num_experts), np.float32)),
@@ -1258,19 +1263,19 @@ class TraceReader:
         return _recorded_hash(self._pf, self._where)
 
     def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
-                    order_r: int = 0) -> Iterator[TraceChunk]:
+                    order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """Chunks of whole groups in trace order, each of at most ``max_tokens`` tokens.
 
         A group longer than ``max_tokens`` comes as one chunk. Default: ~CHUNK_BYTES decoded.
-        ``logits=False``: the logits column is not read; ``order_r``: ``chunk.logit_order``
-        (module docstring, *Options*).
+        ``logits=False``: the logits column is not read; ``order_r``: ``chunk.logit_order``;
+        ``stored_ids``: int16 expert ids (module docstring, *Options*).
         """
-        return self._iter(self._plan(max_tokens), False, logits, order_width(self.meta, order_r))
+        return self._iter(self._plan(max_tokens), False, logits, order_width(self.meta, order_r), stored_ids)
 
     def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
-                             order_r: int = 0) -> Iterator[TraceChunk]:
+                             order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first (group ids as in forward order)."""
-        return self._iter(self._plan(max_tokens)[::-1], True, logits, order_width(self.meta, order_r))
+        return self._iter(self._plan(max_tokens)[::-1], True, logits, order_width(self.meta, order_r), stored_ids)
 
     def iter_stored(self, max_tokens: int | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """(first group, checked columns) of each chunk in trace order, the columns in their
@@ -1302,14 +1307,16 @@ class TraceReader:
 
     def read_all(self) -> TraceChunk:
         """The whole trace as one chunk (small traces, tests)."""
-        return next(self._iter(self._plan(max(1, self.num_tokens)), False, True, 0))
+        return next(self._iter(self._plan(max(1, self.num_tokens)), False, True, 0, False))
 
-    def _iter(self, plan: np.ndarray, descending: bool, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+    def _iter(self, plan: np.ndarray, descending: bool, logits: bool, order_r: int,
+              stored_ids: bool) -> Iterator[TraceChunk]:
         skipped = () if logits or order_r else ("logits", "logit_ids")
         rows = _RowGroups(self._pf, [name for name in self._columns if name not in skipped], self._where)
         for start, stop, first_group in plan:
             stored = self._read_stored(rows, int(start), int(stop), descending)
-            yield decode_stored(self.meta, stored, int(first_group), logits=logits, order_r=order_r)
+            yield decode_stored(self.meta, stored, int(first_group), logits=logits, order_r=order_r,
+                                stored_ids=stored_ids)
 
     def _read_stored(self, rows: _RowGroups, start: int, stop: int,
                      descending: bool) -> dict[str, np.ndarray]:
@@ -1393,16 +1400,17 @@ class TraceReader:
 
 
 def decode_stored(meta: TraceMeta, stored: dict[str, np.ndarray], first_group: int, *,
-                  logits: bool = True, order_r: int = 0) -> TraceChunk:
+                  logits: bool = True, order_r: int = 0, stored_ids: bool = False) -> TraceChunk:
     """The chunk of checked on-disk columns (:meth:`TraceReader.iter_stored`); groups from
     ``first_group``. Logits become dense float32 if ``logits`` (dense float16 for
-    ``logits="float16"``); ``order_r`` (at most E - k) adds ``logit_order``."""
+    ``logits="float16"``); ``order_r`` (at most E - k) adds ``logit_order``; ``stored_ids``
+    keeps the expert ids int16."""
     cols = dict(stored)
     values, ids = cols.pop("logits", None), cols.pop("logit_ids", None)
     as_stored = logits == "float16"
     if logits and values is not None and not as_stored:
         cols["logits"] = decoded_logits(meta, values, ids)
-    chunk = make_chunk(meta, **cols, first_group=first_group)
+    chunk = make_chunk(meta, **cols, first_group=first_group, ids_dtype=np.int16 if stored_ids else np.int32)
     if as_stored and values is not None:
         chunk.logits = decoded_logits(meta, values, ids, as_stored=True)
     if order_r:
@@ -1613,15 +1621,16 @@ class ArraySource:
         return self.chunk.num_tokens
 
     def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
-                    order_r: int = 0) -> Iterator[TraceChunk]:
+                    order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """Sub-chunks of at most ``max_tokens`` tokens (a longer group comes whole); None: all.
 
-        ``logits`` and ``order_r`` as the reader's (module docstring, *Options*).
+        ``logits`` and ``order_r`` as the reader's (module docstring, *Options*); the ids come
+        as the chunk holds them whatever ``stored_ids``.
         """
         return self._chunks(self._plan(max_tokens), logits, order_width(self.meta, order_r))
 
     def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
-                             order_r: int = 0) -> Iterator[TraceChunk]:
+                             order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first."""
         return self._chunks(self._plan(max_tokens)[::-1], logits, order_width(self.meta, order_r))
 

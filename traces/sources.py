@@ -2,8 +2,8 @@
 
 Every source (:class:`~traces.format.TraceReader`, :class:`~traces.format.ArraySource`, the
 trace cache's ``CachedTrace``, and the views here) has ``meta``, ``num_tokens`` and re-iterable
-``iter_chunks(max_tokens=None, *, logits=True, order_r=0)`` and ``iter_chunks_reversed`` with
-the same options (traces/format.py, *Options*).
+``iter_chunks(max_tokens=None, *, logits=True, order_r=0, stored_ids=False)`` and
+``iter_chunks_reversed`` with the same options (traces/format.py, *Options*).
 """
 from __future__ import annotations
 
@@ -39,11 +39,13 @@ class LimitedSource:
             return
 
     def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
-                    order_r: int = 0) -> Iterator[TraceChunk]:
+                    order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """The source's chunks up to the limit (the last one cut after a whole group)."""
-        return self._limit(self.source.iter_chunks(max_tokens, logits=logits, order_r=order_r))
+        return self._limit(self.source.iter_chunks(max_tokens, logits=logits, order_r=order_r,
+                                                   stored_ids=stored_ids))
 
     def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
-                             order_r: int = 0) -> Iterator[TraceChunk]:
+                             order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first."""
-        return reversed(list(self.iter_chunks(max_tokens, logits=logits, order_r=order_r)))
+        return reversed(list(self.iter_chunks(max_tokens, logits=logits, order_r=order_r,
+                                              stored_ids=stored_ids)))

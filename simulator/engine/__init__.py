@@ -99,7 +99,9 @@ def simulate(
             sim.train_predictor(training, int(params.options.get("distance", 1)))
         tokens_done = 0
         row = 0
-        for chunk in source.iter_chunks(chunk_tokens, **read_options(params, source)):
+        # the kernel reads the ids as stored (int16): a source that holds them so skips widening
+        options = dict(read_options(params, source), **({"stored_ids": True} if engine == "numba" else {}))
+        for chunk in source.iter_chunks(chunk_tokens, **options):
             tokens_done += chunk.num_tokens
             check_chunk(chunk, params)
             chunk = after_group(chunk, skipped)

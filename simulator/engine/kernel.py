@@ -66,7 +66,7 @@ LFU_RENORMALISE_ABOVE = 1e100
 class Chunk(NamedTuple):
     """One chunk's arrays as the kernel reads them: T tokens, L layers, k ranks, E experts."""
 
-    experts: np.ndarray  # int32[T, L, k]
+    experts: np.ndarray  # int16[T, L, k] (the trace's type: E <= 2**15 - 1)
     gates: np.ndarray  # float32[T, L, k]: normalised gate weights
     logits: np.ndarray  # float32[T, L, E], or [0, L, E] without logits or with logit_bits
     logit_bits: np.ndarray  # uint16[T, L, E]: the float16 logits' bits as stored, or [0, L, E]
@@ -387,7 +387,7 @@ class KernelSimulator:
         elif chunk.logits.shape[0]:
             logits = chunk.logits
         ch = Chunk(
-            experts=kernel_array(chunk.experts, np.int32),
+            experts=kernel_array(chunk.experts, np.int16),
             gates=kernel_array(chunk.gates, np.float32),
             logits=kernel_array(logits, np.float32),
             logit_bits=kernel_array(bits, np.uint16),
