@@ -54,9 +54,10 @@ eviction = miss_rule = miss_action = substitute = admission = predictor = prefet
 _trim_step = _fetch_step = None
 # What the chosen variants read (simulator.policies.KernelNeeds), bound per kernel: whether
 # selections are counted in core.freq, whether a decode step marks its selections before its
-# rank loop (else each lookup marks its expert as the loop reaches it), and whether the layers'
-# resident lists are kept.
-TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = True
+# rank loop (else each lookup marks its expert as the loop reaches it), whether the layers'
+# resident lists are kept, and whether anything queues background transfers (else the queue,
+# its completions and the use of background arrivals are never looked at).
+TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = BACKGROUND = True
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -95,7 +96,7 @@ def _trim(core, ev, c, p, stamp):
     while core.pools[p, BYTES] > core.pools[p, BUDGET]:
         x = eviction.victim(core, ev, c, p, stamp)
         if LIST_RESIDENTS:
-            unlist_resident(core, x, x // c.num_experts)
+            unlist_resident(core, x, c.layer_of[x])
         drop(core, c, x, p)
     eviction.end_trim(core, ev, c, p)
 
@@ -177,9 +178,11 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             t1 = t0 + c.nonexpert_us[layer]
             # the expert phase starts: background transfers completed by t1 become resident,
             # each admitted expert evicted after every other resident not selected in the step
-            if link.qstate[Q_LEN] > 0:
-                advance(core.resident, rc, link, t1, s)
-            x, source = next_completion(link, t1)
+            x, source = -1, 0
+            if BACKGROUND:
+                if link.qstate[Q_LEN] > 0:
+                    advance(core.resident, rc, link, t1, s)
+                x, source = next_completion(link, t1)
             while x >= 0:
                 lx = x // E
                 if core.resident[x]:  # fetched meanwhile: the copy served nothing
@@ -218,9 +221,10 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     if core.resident[x]:
                         hits += 1
                         eviction.on_use(core, ev, c, x, p, s)
-                        used(core, x)
+                        if BACKGROUND:
+                            used(core, x)
                         continue
-                    if link.pending[x] == PREFETCH:
+                    if BACKGROUND and link.pending[x] == PREFETCH:
                         rc[RunCount.LATE_PREFETCHES] += 1
                     gate = np.float64(gates[a, layer, i])
                     if not miss_rule.fetch(rule, i, gate):
@@ -235,26 +239,31 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                                 lc[layer, LayerCount.FIRST_CHOICE_SUBSTITUTIONS] += 1
                             core.mark[y] = stamp
                             eviction.on_use(core, ev, c, y, p, s)
-                            used(core, y)
+                            if BACKGROUND:
+                                used(core, y)
                             m += gate
                             admission.on_substitute(core, adm, c, link, x, gate, t1)
                             continue
                         forced += 1
                     fetches += 1
                     n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
-                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s)
+                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s, layer)
                 stall = clock - t1
                 gpu_phase = (hits + fetches + substitutions) * c.gpu_expert_us[layer]
                 cpu_phase = cpu_calls * c.cpu_expert_us[layer]
                 end = clock + max(gpu_phase, cpu_phase)
-                lc[layer, LayerCount.CALLS] += K
-                lc[layer, LayerCount.HITS] += hits
+                # calls (k per step), hits (the calls left) and the mass histogram's zero-mass
+                # steps are completed from the decode steps by derived_counts
                 lc[layer, LayerCount.FETCHES] += fetches
-                lc[layer, LayerCount.FORCED_FETCHES] += forced
-                lc[layer, LayerCount.SUBSTITUTIONS] += substitutions
-                lc[layer, LayerCount.CPU_CALLS] += cpu_calls
-                lsum[layer, LayerSum.MASS] += m
-                core.mass_hist[min(np.int64(m * MASS_BINS), MASS_BINS)] += 1
+                if forced:
+                    lc[layer, LayerCount.FORCED_FETCHES] += forced
+                if substitutions:
+                    lc[layer, LayerCount.SUBSTITUTIONS] += substitutions
+                if cpu_calls:
+                    lc[layer, LayerCount.CPU_CALLS] += cpu_calls
+                if m > 0.0:
+                    lsum[layer, LayerSum.MASS] += m
+                    core.mass_hist[min(np.int64(m * MASS_BINS), MASS_BINS)] += 1
                 group_mass += m
                 group_substitutions += substitutions
                 group_cpu_calls += cpu_calls
@@ -270,7 +279,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                         used(core, x)
                     else:
                         n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
-                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s)
+                clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s, layer)
                 fetches = n_unique - hits
                 stall = clock - t1
                 end = clock + n_unique * c.gpu_expert_us[layer]
@@ -323,7 +332,8 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
     """The kernels compiled for one choice of variants (``(family, variant)`` pairs) and what
     they read (``needs``: simulator.policies.kernel_needs)."""
     bound = dict(modules(dict(names)), TRACK_FREQUENCY=bool(needs.frequency),
-                 SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents))
+                 SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents),
+                 BACKGROUND=bool(needs.background))
     steps = {"_trim_step": specialise(_trim, bound, inline=True),
              "_fetch_step": specialise(_fetch, bound, inline=True)}
     return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))
@@ -359,6 +369,7 @@ class KernelSimulator:
         self._no_lookahead = np.zeros((0, L, 0, 0), np.int32)
         self._no_order = np.zeros((0, L, 0), np.int16)
         self._tokens: list[dict[str, np.ndarray]] = []
+        self.decode_tokens = 0  # decode tokens run so far (derived_counts)
 
     @property
     def resident(self) -> np.ndarray:
@@ -400,6 +411,7 @@ class KernelSimulator:
                          else kernel_array(chunk.logit_order, np.int16)),
         )
         self.kernels.run_chunk(ch, self.consts, self.core, self.link, *self.policy_states, out)
+        self.decode_tokens += int(np.count_nonzero(ch.phase == PHASE_DECODE))
         tokens = out._asdict()
         for name in ("seq", "pos", "phase", "domain"):
             tokens[name] = np.asarray(getattr(chunk, name))
@@ -410,5 +422,22 @@ class KernelSimulator:
         tokens = {m.name: np.concatenate([t[m.name] for t in self._tokens] or [np.zeros(0)])
                   for m in (*TOKEN_IDS, *TOKEN)}
         core = self.core
-        return build_result(tokens, core.layer_counts, core.layer_sums, core.run_counts,
-                            core.mass_hist, float(core.fstate[CLOCK]))
+        layer_counts, mass_hist = derived_counts(core.layer_counts, core.mass_hist, self.decode_tokens,
+                                                 self.params.top_k)
+        return build_result(tokens, layer_counts, core.layer_sums, core.run_counts,
+                            mass_hist, float(core.fstate[CLOCK]))
+
+
+def derived_counts(layer_counts: np.ndarray, mass_hist: np.ndarray, decode_tokens: int,
+                   top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The counters the kernel leaves to be derived, completed: every decode step of a layer
+    makes k calls, each a hit, a fetch, a substitution or a CPU call; a step with no
+    substituted mass falls in the histogram's first bin (the kernel records only the others)."""
+    counts = layer_counts.copy()
+    calls = decode_tokens * top_k
+    counts[:, LayerCount.CALLS] = calls
+    counts[:, LayerCount.HITS] = calls - counts[:, LayerCount.FETCHES] - counts[:, LayerCount.SUBSTITUTIONS] \
+        - counts[:, LayerCount.CPU_CALLS]
+    hist = mass_hist.copy()
+    hist[0] += decode_tokens * layer_counts.shape[0] - int(mass_hist.sum())
+    return counts, hist

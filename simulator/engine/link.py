@@ -283,14 +283,26 @@ def advance(resident, run_counts, link, t, step):
 
 
 @jit(allocates=False, inline=True)
-def sync_fetches(resident, run_counts, link, t1, n, step):
-    """The step's synchronous fetches ``link.fetch_x[:n]``, issued at t1; returns the clock at
-    the end of the last copy (t1 without fetches).
+def sync_fetches(resident, run_counts, link, t1, n, step, layer):
+    """The step's synchronous fetches ``link.fetch_x[:n]`` (experts of ``layer``), issued at t1;
+    returns the clock at the end of the last copy (t1 without fetches).
 
     The background queue was advanced to t1 when the step's expert phase began (before its
     fetches became resident); a copy that waits for its read lets the queue advance to the read's
-    end.
+    end. Without a host-RAM tier every copy is ready at t1 and reads pinned memory: the copies
+    follow one another from t1, the same sums in the same order as :func:`_copy`'s.
     """
+    if link.pinned_budget < 0 and link.ram_budget < 0:
+        if n == 0:
+            return t1
+        copy_us = link.copy_us[0, layer]
+        free = link.tstate[LINK_FREE]
+        for _ in range(n):
+            start = max(t1, free)
+            free = start + (link.latency_us[1 if start > free else 0] + copy_us)
+        link.tstate[LINK_FREE] = free
+        run_counts[RunCount.BYTES_FETCHED] += n * link.expert_bytes[layer]
+        return free
     for j in range(n):
         x = link.fetch_x[j]
         needs_read, pageable = tier_access(run_counts, link, x)

@@ -43,6 +43,7 @@ class Consts(NamedTuple):
     pool_of_layer: np.ndarray  # int32[L]
     pool_offset: np.ndarray  # int64[P]: start of a pool's segment in per-pool slot arrays
     expert_bytes: np.ndarray  # int64[L]
+    layer_of: np.ndarray  # int32[X]: x // num_experts (a load where a division costs more)
     nonexpert_us: np.ndarray  # float64[L]: non-expert compute plus the fixed cost of a step
     gpu_expert_us: np.ndarray  # float64[L]
     cpu_expert_us: np.ndarray  # float64[L]
@@ -81,6 +82,7 @@ def make_consts(params: SimParams, layout: Layout) -> Consts:
         pool_of_layer=layout.pool_of_layer,
         pool_offset=layout.pool_offset,
         expert_bytes=np.ascontiguousarray(params.expert_bytes, dtype=np.int64),
+        layer_of=np.repeat(np.arange(params.num_layers, dtype=np.int32), params.num_experts),
         nonexpert_us=f64(params.nonexpert_us) + float(params.step_fixed_us),
         gpu_expert_us=f64(params.gpu_expert_us),
         cpu_expert_us=f64(params.cpu_expert_us),
@@ -148,7 +150,7 @@ def unlist_resident(core, x, layer):
 def drop(core, c, x, p):
     """The cache bookkeeping of evicting x (already out of its policy's order structure and
     its layer's resident list)."""
-    layer = x // c.num_experts
+    layer = c.layer_of[x]
     core.resident[x] = 0
     core.pools[p, BYTES] -= c.expert_bytes[layer]
     core.run_counts[RunCount.EVICTIONS] += 1

@@ -142,6 +142,7 @@ class KernelNeeds(NamedTuple):
     frequency: bool = True  # selections counted in core.freq (a READS_FREQUENCY variant)
     selections: bool = True  # a decode step marks its selections before its lookups
     layer_residents: bool = True  # each layer's resident list (core.layer_res) is kept
+    background: bool = True  # something queues background transfers (admission, prefetch)
 
 
 def kernel_needs(params) -> KernelNeeds:
@@ -150,6 +151,7 @@ def kernel_needs(params) -> KernelNeeds:
     - ``frequency``: a chosen variant reads ``core.freq`` (``READS_FREQUENCY``), a substitute
       only where it can act;
     - ``layer_residents``: a substitute can act (it scans the layer's residents);
+    - ``background``: an admission or prefetch variant can queue background transfers;
     - ``selections``: before a decode step's lookups, something reads which experts the step
       selected: frequencies, an eviction ``on_select`` hook, a substitute's eligibility, or a
       background arrival (admission, prefetch) that must not evict them. Otherwise each lookup
@@ -166,7 +168,7 @@ def kernel_needs(params) -> KernelNeeds:
     background = names["admission"] != "none" or names["prefetch"] != "none"
     selects = reg["eviction"][names["eviction"]].on_select is not ignore_select
     return KernelNeeds(frequency=frequency, selections=frequency or selects or substitutes or background,
-                       layer_residents=substitutes)
+                       layer_residents=substitutes, background=background)
 
 
 def _substitutes(params) -> bool:
