@@ -178,15 +178,17 @@ def test_lfu_frequencies_renormalise():
 
 
 @pytest.mark.parametrize(("eviction", "rule", "extra", "expected"), [
-    ("lru", "fetch_all", {}, (False, False, False)),  # nothing read before the trim
-    ("fifo", "substitute_all", {"miss_action": "cpu"}, (False, False, False)),  # nothing substitutes
-    ("lfu", "fetch_all", {}, (True, True, False)),  # frequency order
-    ("belady", "fetch_all", {}, (False, True, False)),  # on_select reads the step's selections
-    ("lru", "rule015", {}, (False, True, True)),  # substitutes by logit scan the layer's residents
-    ("lru", "rule015", {"beta": 0.5}, (False, True, True)),  # and admit in the background
-    ("lru", "rule015", {"substitute_by": "frequency"}, (True, True, True)),
+    ("lru", "fetch_all", {}, (False, False, False, False)),  # nothing read before the trim
+    ("fifo", "substitute_all", {"miss_action": "cpu"}, (False, False, False, False)),  # nothing substitutes
+    ("lfu", "fetch_all", {}, (True, True, False, False)),  # frequency order
+    ("belady", "fetch_all", {}, (False, True, False, False)),  # on_select reads the step's selections
+    # substitutes by logit: the walk never meets a selection; its rare scan marks them and tests
+    # every expert of the layer
+    ("lru", "rule015", {}, (False, False, False, False)),
+    ("lru", "rule015", {"beta": 0.5}, (False, True, False, True)),  # admits in the background
+    ("lru", "rule015", {"substitute_by": "frequency"}, (True, True, True, False)),  # ranks the resident lists
 ])
 def test_kernel_keeps_only_what_the_chosen_policies_read(eviction, rule, extra, expected):
     meta = trace(np.zeros((1, 2, 2)) + np.arange(2), logits=np.zeros((1, 2, 8))).meta
     needs = kernel_needs(make_params(meta, eviction=eviction, rule=rule, **extra))
-    assert (needs.frequency, needs.selections, needs.layer_residents) == expected
+    assert (needs.frequency, needs.selections, needs.layer_residents, needs.background) == expected

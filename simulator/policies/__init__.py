@@ -150,11 +150,13 @@ def kernel_needs(params) -> KernelNeeds:
 
     - ``frequency``: a chosen variant reads ``core.freq`` (``READS_FREQUENCY``), a substitute
       only where it can act;
-    - ``layer_residents``: a substitute can act (it scans the layer's residents);
+    - ``layer_residents``: a substitute that can act scans the layers' resident lists
+      (``SCANS_LAYER_RESIDENTS``);
     - ``background``: an admission or prefetch variant can queue background transfers;
     - ``selections``: before a decode step's lookups, something reads which experts the step
       selected: frequencies, an eviction ``on_select`` hook, a substitute's eligibility, or a
-      background arrival (admission, prefetch) that must not evict them. Otherwise each lookup
+      background arrival (admission, prefetch) that must not evict them. A substitute whose
+      ``READS_SELECTION_MARKS`` is False marks them itself where it needs to. Otherwise each lookup
       marks its expert as the rank loop reaches it, and the marks are the same by the step's
       trim.
     """
@@ -167,8 +169,10 @@ def kernel_needs(params) -> KernelNeeds:
                     for family in FAMILIES if family != "substitute" or substitutes)
     background = names["admission"] != "none" or names["prefetch"] != "none"
     selects = reg["eviction"][names["eviction"]].on_select is not ignore_select
-    return KernelNeeds(frequency=frequency, selections=frequency or selects or substitutes or background,
-                       layer_residents=substitutes, background=background)
+    substitute = reg["substitute"][names["substitute"]]
+    marks = substitutes and substitute.READS_SELECTION_MARKS
+    return KernelNeeds(frequency=frequency, selections=frequency or selects or marks or background,
+                       layer_residents=substitutes and substitute.SCANS_LAYER_RESIDENTS, background=background)
 
 
 def _substitutes(params) -> bool:

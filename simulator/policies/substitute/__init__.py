@@ -11,6 +11,9 @@ One module per variant, with:
   step with ``n_cand = -1, next_cand = 0`` and passes back what it got, so a variant may rank
   the step's candidates once (residents used by the step carry ``core.mark == stamp``);
 - ``NEEDS_LOGITS``: whether the trace must carry router logits;
+- ``READS_SELECTION_MARKS``: whether ``choose`` relies on every selection of the step being
+  marked before the step's lookups (else it must not meet a selected expert, or mark them);
+- ``SCANS_LAYER_RESIDENTS``: whether it reads the layers' resident lists (``core.layer_res``);
 - ``Reference(sim)`` with ``choose(layer, selected, substituted, logits) -> x or -1``.
 """
 from simulator.policies import Registry

@@ -6,7 +6,36 @@ from simulator.jit import jit
 
 @jit(allocates=False, inline=True)
 def rank_residents(core, layer, scores, m, stamp):
+    """The step's best candidates from the layer's resident list (``LIST_RESIDENTS``)."""
     return _rank(core.layer_res, core.layer_res_n, core.mark, core.scratch, layer, scores, m, stamp)
+
+
+@jit(allocates=False, inline=True)
+def rank_layer(core, layer, scores, m, stamp):
+    """The same from every expert of the layer (for variants that scan rarely and keep no list)."""
+    return _rank_all(core.resident, core.mark, core.scratch, layer, scores, m, stamp)
+
+
+@jit(allocates=False, inline=True)
+def _offer(out, n, m, y, scores, base):
+    """Insert candidate y into the ranked ``out[:n]`` (at most ``m`` kept); the new count."""
+    v = scores[y - base]
+    if n == m:
+        w = out[n - 1]
+        vw = scores[w - base]
+        if v < vw or (v == vw and y > w):
+            return n
+        n -= 1
+    k = n
+    while k > 0:
+        w = out[k - 1]
+        vw = scores[w - base]
+        if vw > v or (vw == v and w < y):
+            break
+        out[k] = w
+        k -= 1
+    out[k] = y
+    return n + 1
 
 
 @jit(allocates=False)
@@ -14,33 +43,28 @@ def _rank(layer_res, layer_res_n, mark, out, layer, scores, m, stamp):
     """The up to ``m`` best candidates of a step, best first, into ``core.scratch``; how many.
 
     Candidates are the layer's residents not marked ``stamp``, by ``scores[e]`` (float[E])
-    descending, ties by the lower id. One scan serves the whole step: during a step experts only
-    ever leave the eligible set (a used substitute), so the order never changes.
+    descending, ties by the lower id (a total order: the scan's order does not matter). One scan
+    serves the whole step: during a step experts only ever leave the eligible set (a used
+    substitute), so the order never changes.
     """
-    E = scores.shape[0]
-    base = layer * E
+    base = layer * scores.shape[0]
     n = 0
     for j in range(layer_res_n[layer]):
         y = layer_res[layer, j]
-        if mark[y] == stamp:
-            continue
-        v = scores[y - base]
-        if n == m:
-            w = out[n - 1]
-            vw = scores[w - base]
-            if v < vw or (v == vw and y > w):
-                continue
-            n -= 1
-        k = n
-        while k > 0:
-            w = out[k - 1]
-            vw = scores[w - base]
-            if vw > v or (vw == v and w < y):
-                break
-            out[k] = w
-            k -= 1
-        out[k] = y
-        n += 1
+        if mark[y] != stamp:
+            n = _offer(out, n, m, y, scores, base)
+    return n
+
+
+@jit(allocates=False)
+def _rank_all(resident, mark, out, layer, scores, m, stamp):
+    """:func:`_rank` over every expert of the layer, residents found by ``resident``."""
+    E = scores.shape[0]
+    base = layer * E
+    n = 0
+    for y in range(base, base + E):
+        if resident[y] and mark[y] != stamp:
+            n = _offer(out, n, m, y, scores, base)
     return n
 
 

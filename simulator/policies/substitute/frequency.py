@@ -8,6 +8,8 @@ from simulator.policies.substitute._rank import best_scored, rank_residents, tak
 
 NEEDS_LOGITS = False
 READS_FREQUENCY = True  # core.freq ranks the candidates
+READS_SELECTION_MARKS = True  # eligibility: the step's selections are marked before its lookups
+SCANS_LAYER_RESIDENTS = True  # every substituting step ranks the layer's resident list
 
 
 State, make_state = NoState, no_state

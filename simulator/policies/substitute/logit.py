@@ -5,11 +5,13 @@ rank below every expert inside them and tie among themselves (the lower id wins)
 
 The kernel walks the token-layer's ``top_r`` highest logit ids among the experts it did not
 select (``chunk.logit_order``, built once when the trace is decoded and kept in the trace cache)
-until it meets an eligible resident, and scans the layer's residents only when none of the
-``top_r`` is eligible. A step's selected experts are never eligible (they are marked before its
-lookups), so leaving them out changes no choice; the rest is the full ranking's prefix (logit
-descending, ties by the lower id), so walk and scan give the same expert at every ``top_r``;
-``top_r=0`` always scans.
+until it meets an eligible resident, and scans the layer's experts only when none of the
+``top_r`` is eligible. A step's selected experts are never eligible, so leaving them out changes
+no choice; the rest is the full ranking's prefix (logit descending, ties by the lower id), so
+walk and scan give the same expert at every ``top_r``; ``top_r=0`` always scans. The walk never
+meets a selected expert, so the variant needs neither the step's selections marked before its
+lookups nor the layers' resident lists: the scan, which is rare at the default ``top_r``, marks
+the step's selections itself (as the marking pass would have) and tests residency per expert.
 
 Logits may come as stored, float16 (``chunk.logit_bits``: the kernel reads no other logit than
 the walk's order): the exact scan then converts the token-layer's row once, through a lookup
@@ -23,9 +25,11 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.jit import jit
-from simulator.policies.substitute._rank import best_scored, rank_residents, take_next
+from simulator.policies.substitute._rank import best_scored, rank_layer, take_next
 
 NEEDS_LOGITS = True
+READS_SELECTION_MARKS = False  # the scan marks the step's selections itself
+SCANS_LAYER_RESIDENTS = False  # the scan tests every expert of the layer
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,15 @@ def make_state(params) -> State:
 
 @jit(allocates=False, inline=True)
 def _scan(core, st, chunk, a, layer, want, stamp):
+    base = layer * st.row.shape[0]
+    for i in range(chunk.experts.shape[2]):  # later ranks' selections are not eligible either
+        core.mark[base + chunk.experts[a, layer, i]] = stamp
     if chunk.logit_bits.shape[0] == 0:
-        return rank_residents(core, layer, chunk.logits[a, layer], want, stamp)
+        return rank_layer(core, layer, chunk.logits[a, layer], want, stamp)
     bits, row, f16 = chunk.logit_bits[a, layer], st.row, st.f16
     for e in range(row.shape[0]):
         row[e] = f16[bits[e]]
-    return rank_residents(core, layer, row, want, stamp)
+    return rank_layer(core, layer, row, want, stamp)
 
 
 @jit(allocates=False, inline=True)
