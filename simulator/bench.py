@@ -129,6 +129,7 @@ TARGETS = {
     "quality_first_lookups_per_s": 5e6,
     "numba_over_reference": 100.0,
     "numba_over_libcachesim": 10.0,
+    "numba_over_libcachesim_lru": 3.0,  # LRU alone, misses equal request per step
     "scale_peak_rss_bytes": 1.5e9,
     "jit_from_cache_s": 2.0,
     # lookups/s as a share of fetch_all + LRU's, same shape and run (substitution near a lookup)
@@ -396,12 +397,12 @@ def _libcachesim(source, task: dict, repeats: int) -> dict:
         overrides = ["policy=fetch_all", f"cache.eviction={ev}", "cache=global",
                      f"cache.budget_bytes={capacity * eb}"]
         lcs_cpu, ours_cpu = [], []
-        for _ in range(repeats):
+        params = sim_params(meta, overrides)
+        simulate(source, params)  # loads the kernel; not timed
+        for _ in range(repeats):  # in rounds, one of each in turn: both see the machine's drift
             lcs_miss, c = libcachesim_misses(path, ev, capacity, n,
                                              meta.num_layers * meta.num_experts)
             lcs_cpu.append(c)
-        params = sim_params(meta, overrides)
-        for _ in range(repeats):
             r, c, _ = _timed(lambda p=params: simulate(source, p))
             ours_cpu.append(c)
         per_request = simulate(flat, sim_params(flat.meta, overrides))
@@ -692,6 +693,12 @@ def _targets(fig: dict) -> list[tuple[str, str, str, bool | None]]:
                      f"{share / TARGETS['first_run_kernel_share']:.2f}x target",
                      share >= TARGETS["first_run_kernel_share"]))
     sizes = [s["cache_bytes"] / s["logits_f16_bytes"] for s in fig["shapes"].values() if "cache_bytes" in s]
+    lead = fig["shapes"][SHAPES[0].name]
+    if "cache_bytes" in lead:
+        size = lead["cache_bytes"] / lead["logits_f16_bytes"]
+        rows.append((f"trace cache on disk <= float16 logits + {TARGETS['cache_over_logits'] - 1:.0%} "
+                     "(Qwen3-Next, full logits)", f"{size:.2f}x", f"{size / TARGETS['cache_over_logits']:.2f}x limit",
+                     size <= TARGETS["cache_over_logits"]))
     if sizes:
         rows.append((f"trace cache on disk <= float16 logits + {TARGETS['cache_over_logits'] - 1:.0%} "
                      "(every shape, full logits)", f"max {max(sizes):.2f}x",
@@ -705,6 +712,15 @@ def _targets(fig: dict) -> list[tuple[str, str, str, bool | None]]:
                  min(ratios) >= TARGETS["numba_over_reference"]))
     lcs = [_med(p["lcs_cpu_s"]) / _med(p["ours_cpu_s"])
            for s in fig["shapes"].values() for p in s["libcachesim"]["policies"].values()]
+    lru = [_med(s["libcachesim"]["policies"]["lru"]["lcs_cpu_s"]) / _med(s["libcachesim"]["policies"]["lru"]["ours_cpu_s"])
+           for s in fig["shapes"].values()]
+    equal = all(s["libcachesim"]["policies"]["lru"]["lcs_misses"] == s["libcachesim"]["policies"]["lru"]["stream_misses"]
+                for s in fig["shapes"].values())
+    rows.append((f">= {TARGETS['numba_over_libcachesim_lru']:g}x libCacheSim's LRU, identical misses in "
+                 "request-per-step mode (every shape)",
+                 f"min {min(lru):.1f}x, median {statistics.median(lru):.1f}x" + ("" if equal else " (misses DIFFER)"),
+                 f"{min(lru) / TARGETS['numba_over_libcachesim_lru']:.2f}x target (min)",
+                 min(lru) >= TARGETS["numba_over_libcachesim_lru"] and equal))
     rows.append((">= 10x libCacheSim process_trace (LRU and FIFO, every shape)",
                  f"min {min(lcs):.1f}x, median {statistics.median(lcs):.1f}x",
                  f"{min(lcs) / TARGETS['numba_over_libcachesim']:.2f}x target (min)",

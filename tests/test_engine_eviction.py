@@ -177,6 +177,29 @@ def test_lfu_frequencies_renormalise():
     check_kernel_state(sim)
 
 
+@pytest.mark.parametrize(("eviction", "rule", "budget", "scope", "marks"), [
+    ("lru", "fetch_all", 2, "per_layer", False),  # every pool holds a step (k = 2)
+    ("lru", "fetch_all", 1, "per_layer", True),  # one expert per layer: a trim may meet a used one
+    ("lru", "rule015", 2, "global", False),  # substitutes mark themselves
+    ("fifo", "fetch_all", 3, "per_layer", True),  # a hit does not move: used residents can lead
+    ("lfu", "fetch_all", 3, "per_layer", True),
+])
+def test_lookups_are_marked_only_where_a_trim_can_meet_a_used_resident(eviction, rule, budget, scope, marks):
+    """Without a marking pass, LRU trims never reach a resident used in the step when every pool
+    holds k experts; the kernel then leaves lookups unmarked, with the same results."""
+    from simulator.engine.layout import make_layout
+
+    rng = np.random.default_rng(7)
+    T, L, E = 60, 3, 6
+    experts = np.stack([[rng.choice(E, 2, replace=False, p=np.arange(1, E + 1) / 21) for _ in range(L)]
+                        for _ in range(T)])
+    source = trace(experts, rng.random((T, L, 2)), rng.standard_normal((T, L, E)), num_experts=E)
+    p = make_params(source.meta, eviction=eviction, rule=rule, budget_experts=budget, scope=scope)
+    assert kernel_needs(p, make_layout(p, source.meta)).lookup_marks is marks
+    assert kernel_needs(p).lookup_marks  # without the pools, the kernel marks
+    run_both(source, p)
+
+
 @pytest.mark.parametrize(("eviction", "rule", "extra", "expected"), [
     ("lru", "fetch_all", {}, (False, False, False, False)),  # nothing read before the trim
     ("fifo", "substitute_all", {"miss_action": "cpu"}, (False, False, False, False)),  # nothing substitutes

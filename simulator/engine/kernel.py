@@ -55,9 +55,11 @@ _trim_step = _fetch_step = None
 # What the chosen variants read (simulator.policies.KernelNeeds), bound per kernel: whether
 # selections are counted in core.freq, whether a decode step marks its selections before its
 # rank loop (else each lookup marks its expert as the loop reaches it), whether the layers'
-# resident lists are kept, and whether anything queues background transfers (else the queue,
-# its completions and the use of background arrivals are never looked at).
-TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = BACKGROUND = True
+# resident lists are kept, whether anything queues background transfers (else the queue,
+# its completions and the use of background arrivals are never looked at), and whether the miss
+# rule can leave a miss unfetched (else every miss is fetched without reading its gate), and
+# whether the trim reads the marks each lookup leaves where the step was not marked before.
+TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = BACKGROUND = LEAVES_MISSES = MARK_LOOKUPS = True
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -124,6 +126,10 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
     E = c.num_experts
     X = L * E
     lc, lsum, rc = core.layer_counts, core.layer_sums, core.run_counts
+    # the clock and the step stamp live in locals during the chunk (no hook reads them from the
+    # state) and are stored back at its end
+    clock_us = core.fstate[CLOCK]
+    stamp = core.istate[STAMP]
     a = 0
     while a < T:
         g = group[a]
@@ -141,8 +147,8 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 eviction.on_rescale(core, ev, c)
             core.fstate[INC] = inc
         eviction.on_group(core, ev, c, ch, a, b)
-        group_start = core.fstate[CLOCK]
-        core.fstate[CLOCK] += c.token_fixed_us
+        group_start = clock_us
+        clock_us += c.token_fixed_us
         group_stall = 0.0
         group_mass = 0.0
         group_hits = 0
@@ -154,9 +160,8 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             s = g * L + layer
             base = layer * E
             p = c.pool_of_layer[layer]
-            t0 = core.fstate[CLOCK]
-            core.istate[STAMP] += 1
-            stamp = core.istate[STAMP]
+            t0 = clock_us
+            stamp += 1
 
             # selections: frequency and the policy's view advance; selected experts are marked
             # (a prefill step's unique experts listed). Without SELECT_BEFORE_USE no policy reads
@@ -216,7 +221,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 n_fetch = 0
                 for i in range(K):
                     x = base + experts[a, layer, i]
-                    if not SELECT_BEFORE_USE:
+                    if MARK_LOOKUPS and not SELECT_BEFORE_USE:
                         core.mark[x] = stamp
                     if core.resident[x]:
                         hits += 1
@@ -226,25 +231,26 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                         continue
                     if BACKGROUND and link.pending[x] == PREFETCH:
                         rc[RunCount.LATE_PREFETCHES] += 1
-                    gate = np.float64(gates[a, layer, i])
-                    if not miss_rule.fetch(rule, i, gate):
-                        if miss_action.serve(act, i, gate) == CPU:
-                            cpu_calls += 1
-                            continue
-                        y, n_cand, next_cand = substitute.choose(
-                            core, sub, c, ch, a, layer, K - i, stamp, n_cand, next_cand)
-                        if y >= 0:
-                            substitutions += 1
-                            if i == 0:
-                                lc[layer, LayerCount.FIRST_CHOICE_SUBSTITUTIONS] += 1
-                            core.mark[y] = stamp
-                            eviction.on_use(core, ev, c, y, p, s)
-                            if BACKGROUND:
-                                used(core, y)
-                            m += gate
-                            admission.on_substitute(core, adm, c, link, x, gate, t1)
-                            continue
-                        forced += 1
+                    if LEAVES_MISSES:
+                        gate = np.float64(gates[a, layer, i])
+                        if not miss_rule.fetch(rule, i, gate):
+                            if miss_action.serve(act, i, gate) == CPU:
+                                cpu_calls += 1
+                                continue
+                            y, n_cand, next_cand = substitute.choose(
+                                core, sub, c, ch, a, layer, K - i, stamp, n_cand, next_cand)
+                            if y >= 0:
+                                substitutions += 1
+                                if i == 0:
+                                    lc[layer, LayerCount.FIRST_CHOICE_SUBSTITUTIONS] += 1
+                                core.mark[y] = stamp
+                                eviction.on_use(core, ev, c, y, p, s)
+                                if BACKGROUND:
+                                    used(core, y)
+                                m += gate
+                                admission.on_substitute(core, adm, c, link, x, gate, t1)
+                                continue
+                            forced += 1
                     fetches += 1
                     n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
                 clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s, layer)
@@ -292,14 +298,14 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     n = predictor.predict(core, pr, c, ch, a, layer, pf.distance, pf.top_p, pf.buf)
                     prefetch.issue(core, pf, c, link, n, t1, s)
                 predictor.observe(core, pr, c, ch, a, layer)
-            core.fstate[CLOCK] = end
+            clock_us = end
             group_stall += stall
             group_hits += hits
             group_fetches += fetches
 
         # per-token outputs; a prefill group's lookups are counted on its first token
         n = b - a
-        group_time = core.fstate[CLOCK] - group_start
+        group_time = clock_us - group_start
         for t in range(a, b):
             out.time_us[t] = group_time / n
             out.stall_us[t] = group_stall / n
@@ -309,6 +315,8 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             out.substitutions[t] = group_substitutions
             out.cpu_calls[t] = group_cpu_calls
         a = b
+    core.fstate[CLOCK] = clock_us
+    core.istate[STAMP] = stamp
 
 
 def _warm(fill, p, c, core, ev):
@@ -333,7 +341,8 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
     they read (``needs``: simulator.policies.kernel_needs)."""
     bound = dict(modules(dict(names)), TRACK_FREQUENCY=bool(needs.frequency),
                  SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents),
-                 BACKGROUND=bool(needs.background))
+                 BACKGROUND=bool(needs.background), LEAVES_MISSES=bool(needs.leaves_misses),
+                 MARK_LOOKUPS=bool(needs.lookup_marks or needs.selections))
     steps = {"_trim_step": specialise(_trim, bound, inline=True),
              "_fetch_step": specialise(_fetch, bound, inline=True)}
     return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))
@@ -348,7 +357,7 @@ class KernelSimulator:
         self.params = params
         self.layout = make_layout(params, meta)
         names = chosen(params)
-        self.kernels = kernels(tuple(names.items()), kernel_needs(params))
+        self.kernels = kernels(tuple(names.items()), kernel_needs(params, self.layout))
         mods = modules(names)
         self.consts = make_consts(params, self.layout)
         self.core = make_core_state(params, self.layout)
@@ -370,6 +379,7 @@ class KernelSimulator:
         self._no_order = np.zeros((0, L, 0), np.int16)
         self._tokens: list[dict[str, np.ndarray]] = []
         self.decode_tokens = 0  # decode tokens run so far (derived_counts)
+        self.warm_inserts = 0  # experts the warm-up made resident (derived_counts)
 
     @property
     def resident(self) -> np.ndarray:
@@ -381,6 +391,7 @@ class KernelSimulator:
         self.core.freq[:] = counts
         for p, fill in enumerate(frequency_fill(counts, self.params, self.layout)):
             self.kernels.warm(fill, p, self.consts, self.core, self.policy_states[0])
+            self.warm_inserts += len(fill)
 
     def train_predictor(self, experts: np.ndarray, max_distance: int) -> None:
         """Train the prefetch predictor on the selections int[N, L, k] of its training tokens."""
@@ -422,17 +433,24 @@ class KernelSimulator:
         tokens = {m.name: np.concatenate([t[m.name] for t in self._tokens] or [np.zeros(0)])
                   for m in (*TOKEN_IDS, *TOKEN)}
         core = self.core
-        layer_counts, mass_hist = derived_counts(core.layer_counts, core.mass_hist, self.decode_tokens,
-                                                 self.params.top_k)
-        return build_result(tokens, layer_counts, core.layer_sums, core.run_counts,
+        layer_counts, run_counts, mass_hist = derived_counts(
+            core.layer_counts, core.run_counts, core.mass_hist, self.decode_tokens, self.params.top_k,
+            self.warm_inserts - int(np.count_nonzero(core.resident)))
+        return build_result(tokens, layer_counts, core.layer_sums, run_counts,
                             mass_hist, float(core.fstate[CLOCK]))
 
 
-def derived_counts(layer_counts: np.ndarray, mass_hist: np.ndarray, decode_tokens: int,
-                   top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def derived_counts(layer_counts: np.ndarray, run_counts: np.ndarray, mass_hist: np.ndarray, decode_tokens: int,
+                   top_k: int, warm_minus_resident: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The counters the kernel leaves to be derived, completed: every decode step of a layer
     makes k calls, each a hit, a fetch, a substitution or a CPU call; a step with no
-    substituted mass falls in the histogram's first bin (the kernel records only the others)."""
+    substituted mass falls in the histogram's first bin (the kernel records only the others);
+    every expert made resident (warm-up, fetches, background arrivals) is resident now or was
+    evicted (``warm_minus_resident``: the warm-up's experts less the residents now)."""
+    runs = run_counts.copy()
+    runs[RunCount.EVICTIONS] = (warm_minus_resident + int(layer_counts[:, LayerCount.FETCHES].sum())
+                                + runs[RunCount.PREFILL_LOOKUPS] - runs[RunCount.PREFILL_HITS]
+                                + runs[RunCount.BACKGROUND_ADMISSIONS])
     counts = layer_counts.copy()
     calls = decode_tokens * top_k
     counts[:, LayerCount.CALLS] = calls
@@ -440,4 +458,4 @@ def derived_counts(layer_counts: np.ndarray, mass_hist: np.ndarray, decode_token
         - counts[:, LayerCount.CPU_CALLS]
     hist = mass_hist.copy()
     hist[0] += decode_tokens * layer_counts.shape[0] - int(mass_hist.sum())
-    return counts, hist
+    return counts, runs, hist

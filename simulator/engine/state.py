@@ -152,8 +152,7 @@ def drop(core, c, x, p):
     its layer's resident list)."""
     layer = c.layer_of[x]
     core.resident[x] = 0
-    core.pools[p, BYTES] -= c.expert_bytes[layer]
-    core.run_counts[RunCount.EVICTIONS] += 1
+    core.pools[p, BYTES] -= c.expert_bytes[layer]  # evictions are counted by derived_counts
     if core.fresh[x]:  # a background arrival evicted before any use
         core.fresh[x] = 0
         wasted_background(core.run_counts, core.src[x], c.expert_bytes[layer])

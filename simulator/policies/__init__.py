@@ -143,16 +143,26 @@ class KernelNeeds(NamedTuple):
     selections: bool = True  # a decode step marks its selections before its lookups
     layer_residents: bool = True  # each layer's resident list (core.layer_res) is kept
     background: bool = True  # something queues background transfers (admission, prefetch)
+    leaves_misses: bool = True  # the miss rule can leave a miss unfetched (it reads the gate)
+    lookup_marks: bool = True  # a decode step's rank loop marks each lookup's expert (when not marked before)
 
 
-def kernel_needs(params) -> KernelNeeds:
-    """What the variants ``params`` runs read in the kernel.
+def kernel_needs(params, layout=None) -> KernelNeeds:
+    """What the variants ``params`` runs read in the kernel (``layout``: the run's pools, from
+    simulator.engine.layout; None assumes the least).
 
     - ``frequency``: a chosen variant reads ``core.freq`` (``READS_FREQUENCY``), a substitute
       only where it can act;
     - ``layer_residents``: a substitute that can act scans the layers' resident lists
       (``SCANS_LAYER_RESIDENTS``);
     - ``background``: an admission or prefetch variant can queue background transfers;
+    - ``leaves_misses``: the miss rule can leave a miss to the miss action (else the kernel
+      fetches every miss without reading its gate);
+    - ``lookup_marks``: without the marking pass, whether the trim still reads the marks that
+      each lookup leaves: not for an eviction whose used residents are its last victims
+      (``STEP_USES_LAST``) where every pool holds k experts of its largest size, since a trim
+      then stops before it reaches one (substitutes mark themselves: a step must not use one
+      twice);
     - ``selections``: before a decode step's lookups, something reads which experts the step
       selected: frequencies, an eviction ``on_select`` hook, a substitute's eligibility, or a
       background arrival (admission, prefetch) that must not evict them. A substitute whose
@@ -164,6 +174,7 @@ def kernel_needs(params) -> KernelNeeds:
 
     names = chosen(params)
     reg = registries()
+    rule = reg["miss_rule"][params.miss_rule]
     substitutes = _substitutes(params)
     frequency = any(getattr(reg[family][names[family]], "READS_FREQUENCY", False)
                     for family in FAMILIES if family != "substitute" or substitutes)
@@ -171,8 +182,22 @@ def kernel_needs(params) -> KernelNeeds:
     selects = reg["eviction"][names["eviction"]].on_select is not ignore_select
     substitute = reg["substitute"][names["substitute"]]
     marks = substitutes and substitute.READS_SELECTION_MARKS
+    step_last = getattr(reg["eviction"][names["eviction"]], "STEP_USES_LAST", False)
+    lookup_marks = not (step_last and layout is not None and _pools_hold_a_step(params, layout))
     return KernelNeeds(frequency=frequency, selections=frequency or selects or marks or background,
-                       layer_residents=substitutes and substitute.SCANS_LAYER_RESIDENTS, background=background)
+                       layer_residents=substitutes and substitute.SCANS_LAYER_RESIDENTS, background=background,
+                       leaves_misses=rule.can_leave_misses(rule.make_state(params), params.top_k),
+                       lookup_marks=lookup_marks)
+
+
+def _pools_hold_a_step(params, layout) -> bool:
+    """Every pool's budget holds k experts of the largest size among its layers."""
+    import numpy as np
+
+    sizes = np.asarray(params.expert_bytes, dtype=np.int64)
+    largest = np.zeros(len(layout.pool_budget_bytes), np.int64)
+    np.maximum.at(largest, layout.pool_of_layer, sizes)
+    return bool(np.all(layout.pool_budget_bytes >= params.top_k * largest))
 
 
 def _substitutes(params) -> bool:

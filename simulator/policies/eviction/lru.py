@@ -22,6 +22,10 @@ from simulator.policies.eviction._base import (
 on_select, on_group, on_rescale, end_trim = (ignore_select, ignore_group, ignore_rescale,
                                              ignore_end_trim)
 make_state = make_pool_lists
+# A use moves x to the far end of the victim order, so a step's used residents are the last
+# victims: where every pool holds at least k experts a trim never reaches one, and the kernel
+# need not mark a decode step's lookups for it (simulator.policies.kernel_needs).
+STEP_USES_LAST = True
 
 
 @jit(allocates=False, inline=True)
