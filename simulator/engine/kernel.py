@@ -23,6 +23,7 @@ from simulator.engine.state import (
     BYTES,
     CLOCK,
     INC,
+    MASS_STEPS,
     PREFETCH,
     STAMP,
     drop,
@@ -270,6 +271,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 if m > 0.0:
                     lsum[layer, LayerSum.MASS] += m
                     core.mass_hist[min(np.int64(m * MASS_BINS), MASS_BINS)] += 1
+                    core.istate[MASS_STEPS] += 1
                 group_mass += m
                 group_substitutions += substitutions
                 group_cpu_calls += cpu_calls
@@ -433,20 +435,23 @@ class KernelSimulator:
         tokens = {m.name: np.concatenate([t[m.name] for t in self._tokens] or [np.zeros(0)])
                   for m in (*TOKEN_IDS, *TOKEN)}
         core = self.core
-        layer_counts, run_counts, mass_hist = derived_counts(
-            core.layer_counts, core.run_counts, core.mass_hist, self.decode_tokens, self.params.top_k,
-            self.warm_inserts - int(np.count_nonzero(core.resident)))
-        return build_result(tokens, layer_counts, core.layer_sums, run_counts,
-                            mass_hist, float(core.fstate[CLOCK]))
+        layer_counts, run_counts, zero_mass = derived_counts(
+            core.layer_counts, core.run_counts, int(core.istate[MASS_STEPS]), self.decode_tokens,
+            self.params.top_k, self.warm_inserts - int(np.count_nonzero(core.resident)))
+        result = build_result(tokens, layer_counts, core.layer_sums, run_counts,
+                              core.mass_hist, float(core.fstate[CLOCK]))
+        result.mass_hist[0] += zero_mass  # build_result's own copy
+        return result
 
 
-def derived_counts(layer_counts: np.ndarray, run_counts: np.ndarray, mass_hist: np.ndarray, decode_tokens: int,
-                   top_k: int, warm_minus_resident: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def derived_counts(layer_counts: np.ndarray, run_counts: np.ndarray, mass_steps: int, decode_tokens: int,
+                   top_k: int, warm_minus_resident: int) -> tuple[np.ndarray, np.ndarray, int]:
     """The counters the kernel leaves to be derived, completed: every decode step of a layer
-    makes k calls, each a hit, a fetch, a substitution or a CPU call; a step with no
-    substituted mass falls in the histogram's first bin (the kernel records only the others);
-    every expert made resident (warm-up, fetches, background arrivals) is resident now or was
-    evicted (``warm_minus_resident``: the warm-up's experts less the residents now)."""
+    makes k calls, each a hit, a fetch, a substitution or a CPU call; every expert made resident
+    (warm-up, fetches, background arrivals) is resident now or was evicted
+    (``warm_minus_resident``: the warm-up's experts less the residents now). Also the decode
+    steps with no substituted mass, which belong in the mass histogram's first bin: the kernel
+    records only the ``mass_steps`` others."""
     runs = run_counts.copy()
     runs[RunCount.EVICTIONS] = (warm_minus_resident + int(layer_counts[:, LayerCount.FETCHES].sum())
                                 + runs[RunCount.PREFILL_LOOKUPS] - runs[RunCount.PREFILL_HITS]
@@ -456,6 +461,4 @@ def derived_counts(layer_counts: np.ndarray, run_counts: np.ndarray, mass_hist: 
     counts[:, LayerCount.CALLS] = calls
     counts[:, LayerCount.HITS] = calls - counts[:, LayerCount.FETCHES] - counts[:, LayerCount.SUBSTITUTIONS] \
         - counts[:, LayerCount.CPU_CALLS]
-    hist = mass_hist.copy()
-    hist[0] += decode_tokens * layer_counts.shape[0] - int(mass_hist.sum())
-    return counts, runs, hist
+    return counts, runs, decode_tokens * layer_counts.shape[0] - mass_steps

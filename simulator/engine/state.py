@@ -27,8 +27,8 @@ BUDGET, BYTES = 0, 1
 # where a resident came from (CoreState.src) and the source tag of a background transfer
 DEMAND, ADMISSION, PREFETCH = 0, 1, 2
 # CoreState.istate[] entries
-STAMP = 0
-N_ISTATE = 1
+STAMP, MASS_STEPS = 0, 1  # the step stamp; decode steps recorded in the mass histogram
+N_ISTATE = 2
 # CoreState.fstate[] entries: the clock, the frequency increment (lfu_decay)
 CLOCK, INC = 0, 1
 N_FSTATE = 2
