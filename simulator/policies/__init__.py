@@ -181,11 +181,12 @@ def kernel_needs(params, layout=None) -> KernelNeeds:
     background = names["admission"] != "none" or names["prefetch"] != "none"
     selects = reg["eviction"][names["eviction"]].on_select is not ignore_select
     substitute = reg["substitute"][names["substitute"]]
-    marks = substitutes and substitute.READS_SELECTION_MARKS
+    # a variant that does not say keeps both (the safe side)
+    marks = substitutes and getattr(substitute, "READS_SELECTION_MARKS", True)
     step_last = getattr(reg["eviction"][names["eviction"]], "STEP_USES_LAST", False)
     lookup_marks = not (step_last and layout is not None and _pools_hold_a_step(params, layout))
     return KernelNeeds(frequency=frequency, selections=frequency or selects or marks or background,
-                       layer_residents=substitutes and substitute.SCANS_LAYER_RESIDENTS, background=background,
+                       layer_residents=substitutes and getattr(substitute, "SCANS_LAYER_RESIDENTS", True), background=background,
                        leaves_misses=rule.can_leave_misses(rule.make_state(params), params.top_k),
                        lookup_marks=lookup_marks)
 

@@ -13,7 +13,9 @@ One module per variant, with:
 - ``NEEDS_LOGITS``: whether the trace must carry router logits;
 - ``READS_SELECTION_MARKS``: whether ``choose`` relies on every selection of the step being
   marked before the step's lookups (else it must not meet a selected expert, or mark them);
+  default True;
 - ``SCANS_LAYER_RESIDENTS``: whether it reads the layers' resident lists (``core.layer_res``);
+  default True;
 - ``Reference(sim)`` with ``choose(layer, selected, substituted, logits) -> x or -1``.
 """
 from simulator.policies import Registry
