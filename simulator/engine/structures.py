@@ -5,6 +5,7 @@
 - :class:`Heap`: indexed binary min-heaps of ``(key1, key2, x)``, one per pool in the pool's
   segment of ``items`` (``consts.pool_offset``); ``slot[x]`` is x's position in its heap.
 - :class:`Slots`: each pool's members in its segment of ``items``, swap-removed.
+- :func:`insert_ranked`: a short best-first list (a predictor's top P, a step's substitutes).
 
 All functions work in the arrays they are given and allocate nothing. Victim searches remove
 the victim from the structure and return it; the engine does the rest of the eviction
@@ -349,3 +350,28 @@ def heap_end_trim_held(h, c, p, key1, key2, held, n_held):
     n_held[p] = m
     h.trim[2] = -1
     h.trim[3] = 0
+
+
+@jit(allocates=False, inline=True)
+def insert_ranked(out, n, top_p, x, score, offset):
+    """Insert flat id ``x`` into ``out[:n]`` (sorted by ``score[y - offset]`` descending, ties by
+    the lower id, at most ``top_p >= 1`` long); returns the new length."""
+    s = score[x - offset]
+    if n == top_p:
+        y = out[n - 1]
+        sy = score[y - offset]
+        if s < sy or (s == sy and x > y):
+            return n
+        j = n - 1
+    else:
+        j = n
+        n += 1
+    while j > 0:
+        y = out[j - 1]
+        sy = score[y - offset]
+        if sy > s or (sy == s and y < x):
+            break
+        out[j] = y
+        j -= 1
+    out[j] = x
+    return n

@@ -25,9 +25,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from simulator.engine.structures import insert_ranked
 from simulator.jit import jit
 from simulator.policies.predictor._base import StatelessReference, no_observe
-from simulator.policies.predictor._ranked import insert_ranked, ranked
+from simulator.policies.predictor._ranked import ranked
 
 NEEDS_LOOKAHEAD = False
 TRAIN_TOKENS = "train_tokens"

@@ -6,10 +6,11 @@ Experts never selected are not predicted, so early in a trace it names fewer tha
 """
 from __future__ import annotations
 
+from simulator.engine.structures import insert_ranked
 from simulator.jit import jit
 from simulator.policies import NoState
 from simulator.policies.predictor._base import StatelessReference, no_observe, no_state
-from simulator.policies.predictor._ranked import insert_ranked, ranked
+from simulator.policies.predictor._ranked import ranked
 
 NEEDS_LOOKAHEAD = False
 READS_FREQUENCY = True  # core.freq ranks the predictions

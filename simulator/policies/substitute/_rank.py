@@ -1,6 +1,7 @@
 """Ranking of a step's substitute candidates, shared by the score-based variants."""
 from __future__ import annotations
 
+from simulator.engine.structures import insert_ranked
 from simulator.jit import jit
 
 
@@ -14,28 +15,6 @@ def rank_residents(core, layer, scores, m, stamp):
 def rank_layer(core, layer, scores, m, stamp):
     """The same from every expert of the layer (for variants that scan rarely and keep no list)."""
     return _rank_all(core.resident, core.mark, core.scratch, layer, scores, m, stamp)
-
-
-@jit(allocates=False, inline=True)
-def _offer(out, n, m, y, scores, base):
-    """Insert candidate y into the ranked ``out[:n]`` (at most ``m`` kept); the new count."""
-    v = scores[y - base]
-    if n == m:
-        w = out[n - 1]
-        vw = scores[w - base]
-        if v < vw or (v == vw and y > w):
-            return n
-        n -= 1
-    k = n
-    while k > 0:
-        w = out[k - 1]
-        vw = scores[w - base]
-        if vw > v or (vw == v and w < y):
-            break
-        out[k] = w
-        k -= 1
-    out[k] = y
-    return n + 1
 
 
 @jit(allocates=False)
@@ -52,7 +31,7 @@ def _rank(layer_res, layer_res_n, mark, out, layer, scores, m, stamp):
     for j in range(layer_res_n[layer]):
         y = layer_res[layer, j]
         if mark[y] != stamp:
-            n = _offer(out, n, m, y, scores, base)
+            n = insert_ranked(out, n, m, y, scores, base)
     return n
 
 
@@ -64,7 +43,7 @@ def _rank_all(resident, mark, out, layer, scores, m, stamp):
     n = 0
     for y in range(base, base + E):
         if resident[y] and mark[y] != stamp:
-            n = _offer(out, n, m, y, scores, base)
+            n = insert_ranked(out, n, m, y, scores, base)
     return n
 
 
