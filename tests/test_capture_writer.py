@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -248,3 +249,42 @@ def test_an_encoder_process_that_dies_fails_the_file_and_leaves_nothing(tmp_path
     with ParallelTraceWriter(path, meta, unit_tokens=64, workers=1, processes=True) as w:
         w.write(**cols)
     assert read_trace(path)[1].num_tokens == 300
+
+
+def stray_blocks() -> set[str]:
+    """Blocks of shared memory that no idle encoder process keeps for its next unit."""
+    from traces.capture import writer as writer_module
+
+    folder = Path("/dev/shm")
+    kept = {c.block.path for c in writer_module._IDLE.get(writer_module._Encoder, []) if c.block}
+    return {str(p) for p in folder.glob("moe-trace-encoder-*")} - kept if folder.is_dir() else set()
+
+
+def test_a_joiner_process_that_dies_fails_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    """The process that appends units and hashes them is killed at its second unit: one error
+    naming it, no file, no parts, no blocks of shared memory; the next writer writes."""
+    from traces.capture import writer as writer_module
+
+    meta, cols = trace_columns()
+    path = tmp_path / "t.parquet"
+    before = stray_blocks()
+    real = writer_module._Joiner.send
+    appends = []
+
+    def dies(self, request):
+        if request[0] == "append":
+            appends.append(request)
+            if len(appends) == 2:
+                self.proc.kill()
+                self.proc.wait()
+        return real(self, request)
+
+    monkeypatch.setattr(writer_module._Joiner, "send", dies)
+    with pytest.raises(RuntimeError, match="trace joiner process exited"), \
+            ParallelTraceWriter(path, meta, unit_tokens=64, workers=2, processes=True) as w:
+        w.write(**cols)
+    assert list(tmp_path.iterdir()) == [] and stray_blocks() == before
+    monkeypatch.setattr(writer_module._Joiner, "send", real)
+    with ParallelTraceWriter(path, meta, unit_tokens=64, workers=2, processes=True) as w:
+        w.write(**cols)
+    assert read_trace(path)[1].num_tokens == 300 and stray_blocks() == before

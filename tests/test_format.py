@@ -13,6 +13,7 @@ import pytest
 from traces.cli import main
 from traces.errors import InputError
 from traces.format import (
+    BINARY_DTYPES,
     CHUNK_BYTES,
     META_KEY,
     PHASE_DECODE,
@@ -236,10 +237,12 @@ def rewrite(good: Path, out: Path, table: pa.Table | None = None, meta: dict | N
     return out
 
 
-def column_values(column: pa.Array) -> np.ndarray:
-    """A per-layer column's values as (rows, width): list entries, or binary logits as float16."""
+def column_values(column: pa.Array, name: str) -> np.ndarray:
+    """A per-layer column's values as (rows, width): list entries, or binary values (logits as
+    float16, ids as int16)."""
     if pa.types.is_fixed_size_binary(column.type):
-        return np.frombuffer(column.buffers()[1], np.float16)[:len(column) * column.type.byte_width // 2] \
+        dtype = BINARY_DTYPES[name]
+        return np.frombuffer(column.buffers()[1], dtype)[:len(column) * column.type.byte_width // dtype.itemsize] \
             .reshape(len(column), -1).copy()
     return column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1).copy()
 
@@ -247,7 +250,7 @@ def column_values(column: pa.Array) -> np.ndarray:
 def with_values(table: pa.Table, name: str, change) -> pa.Table:
     """The table with a per-layer column's values (rows, width) changed in place by ``change``."""
     column = table.column(name).combine_chunks()
-    values = column_values(column)
+    values = column_values(column, name)
     change(values)
     if pa.types.is_fixed_size_binary(column.type):
         array = pa.FixedSizeBinaryArray.from_buffers(column.type, len(column), [None, pa.py_buffer(values)])
@@ -450,8 +453,8 @@ def test_top_r_logits_round_trip(top_r_file, tmp_path, capsys):
     meta, chunk = read_trace(top_r_file)
     assert meta == make_meta(logits_top_r=R) and meta.has_logits
     schema = pq.read_schema(top_r_file)
-    assert schema.field("logits").type.byte_width == 2 * R and schema.field("logit_ids").type.list_size == R
-    stored = column_values(pq.read_table(top_r_file).column("logits").combine_chunks())
+    assert schema.field("logits").type.byte_width == 2 * R and schema.field("logit_ids").type.byte_width == 2 * R
+    stored = column_values(pq.read_table(top_r_file).column("logits").combine_chunks(), "logits")
     assert (np.diff(stored.astype(np.float32), axis=-1) <= 0).all()  # descending
     top = np.argsort(-arrays["logits"], axis=-1)[..., :R]
     assert chunk.logits.dtype == np.float32 and chunk.logits.shape == (40, L, E)

@@ -94,6 +94,9 @@ def trace(request, tmp_path) -> tuple[Path, Path]:
     legacy = tmp_path / "legacy.parquet"
     repack_trace(path, legacy, compact_logits=True)
     assert pq.read_schema(legacy).field("logits").type == pa.list_(pa.float16(), 8 if request.param == "top_r" else E)
+    if request.param == "top_r":  # the ids: int16 bytes by default, a list of int16 compact
+        assert pq.read_schema(path).field("logit_ids").type == pa.binary(16)
+        assert pq.read_schema(legacy).field("logit_ids").type == pa.list_(pa.int16(), 8)
     return path, legacy
 
 
@@ -101,6 +104,8 @@ def test_every_source_and_option_gives_the_same_chunks(trace, tmp_path):
     path, legacy = trace
     meta, whole = read_trace(path)
     assert chunks_equal(read_trace(legacy)[1], whole)
+    with open_trace(path) as a, open_trace(legacy) as b:  # the content, not its encoding
+        assert a.content_hash == b.content_hash == a.verify() == b.verify()
     grid = itertools.product([True, False], ORDERS, [False, True], [None, 7])
     for n, (logits, order_r, reverse, max_tokens) in enumerate(grid):
         cache = tmp_path / f"cache{n}"

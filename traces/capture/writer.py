@@ -19,8 +19,13 @@ written without one. The file records the hash a single writer of the same token
 shared pool and waits, so the encoding runs outside the capture's interpreter. Encoder threads
 share the GIL with the thread that drives the model: every time the model's forward waits for
 the device and wants the GIL back, it can wait up to a switch interval behind an encoder, which
-cost captures of a 48-layer model 40 % of their speed on the GPU host. The process returns the
-unit's stored columns (for the hash) and its footer; the threads still append in unit order.
+cost captures of a 48-layer model 40 % of their speed on the GPU host. The appending and the
+hash run outside it too, in a *joiner* process: an encoder leaves the unit's stored columns in
+a block of shared memory of their own, and the thread that finds a unit next in order sends the
+joiner its part file, footer and block; the joiner copies the part into the output, hashes the
+block and removes both. What is left in the capturing process per unit is one copy of the
+columns into shared memory and a few small messages (on the 30B shape, the append and the hash
+had cost it ~30 us of CPU per token, about as much as the forward's own host side at batch 16).
 """
 from __future__ import annotations
 
@@ -86,55 +91,43 @@ def _views(block: mmap.mmap, layout) -> dict[str, np.ndarray]:
             for name, dtype, shape, offset in layout}
 
 
-class _Encoder:
-    """A child interpreter that writes units (``python -m traces.capture.writer``).
+class _Child:
+    """A child interpreter (``python -m traces.capture.writer ROLE``) that takes pickled requests
+    on its stdin and answers each with one pickled ``(ok, value)`` on its stdout.
 
     Started as a plain subprocess, so nothing of the capturing program (its main module, CUDA, its
-    threads) is imported or inherited. A unit's columns go through a block of shared memory (one
-    copy in), the arguments and the reply through its stdin and stdout; the child leaves the
-    unit's stored columns (for the file's hash) in a second block, which is copied out.
+    threads) is imported or inherited.
     """
+
+    role = ""
 
     def __init__(self):
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the traces package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "traces.capture.writer"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
-        self.blocks: tuple[_Shared, _Shared] | None = None
+        self.proc = subprocess.Popen([sys.executable, "-m", "traces.capture.writer", self.role],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
-    def _blocks(self, nbytes: int) -> tuple[_Shared, _Shared]:
-        if self.blocks is None or self.blocks[0].size < nbytes:
-            self._free_blocks()
-            size = max(nbytes, 2 * self.blocks[0].size if self.blocks else 0, mmap.PAGESIZE)
-            self.blocks = (_Shared(size), _Shared(size))
-        return self.blocks
-
-    def write_unit(self, part, meta, unit_tokens, after, cols):
-        layout, nbytes = _layout(cols)
-        block_in, block_out = self._blocks(nbytes)
-        for name, view in _views(block_in.map, layout).items():
-            view[...] = cols[name]
+    def send(self, request) -> None:
         try:
-            pickle.dump((block_in.path, block_out.path, block_in.size, layout, part, meta, unit_tokens, after),
-                        self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(request, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            self._exited()
+
+    def reply(self):
+        """The next answer's value; raises the child's error, or one naming its exit."""
+        try:
             ok, value = pickle.load(self.proc.stdout)
-        except (EOFError, BrokenPipeError, pickle.UnpicklingError):
-            self.close()
-            raise RuntimeError(f"a trace encoder process exited (code {self.proc.poll()}); "
-                               "its error, if any, is printed above") from None
+        except (EOFError, ValueError, pickle.UnpicklingError):
+            self._exited()
         if not ok:
             raise value
-        footer, start, stored = value
-        if isinstance(stored, list):  # in the second block: copy out before the block is reused
-            stored = {name: view.copy() for name, view in _views(block_out.map, stored).items()}
-        return footer, start, stored
+        return value
 
-    def _free_blocks(self) -> None:
-        if self.blocks is not None:
-            for block in self.blocks:
-                block.close(unlink=True)
-            self.blocks = None
+    def _exited(self):
+        self.close()
+        raise RuntimeError(f"a trace {self.role} process exited (code {self.proc.poll()}); "
+                           "its error, if any, is printed above") from None
 
     def close(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
@@ -143,59 +136,164 @@ class _Encoder:
             except OSError:
                 pass
         self.proc.wait()
-        self._free_blocks()
 
 
-_IDLE: list[_Encoder] = []  # started encoders, kept for the next writer (a capture bench opens one per pass)
+class _Encoder(_Child):
+    """A child that writes units. A unit's columns go through a block of shared memory (one copy
+    in), the arguments and the reply through the pipes; the child leaves the unit's stored
+    columns (for the file's hash) in a block of shared memory of their own, which the joiner
+    reads and removes (:func:`_stored_block`)."""
+
+    role = "encoder"
+
+    def __init__(self):
+        super().__init__()
+        self.block: _Shared | None = None
+
+    def write_unit(self, part, meta, unit_tokens, after, cols):
+        """(footer, start, stored block): see :func:`_encode_request`."""
+        layout, nbytes = _layout(cols)
+        if self.block is None or self.block.size < nbytes:
+            size = max(nbytes, 2 * self.block.size if self.block else 0, mmap.PAGESIZE)
+            self._free_block()
+            self.block = _Shared(size)
+        for name, view in _views(self.block.map, layout).items():
+            view[...] = cols[name]
+        self.send((self.block.path, self.block.size, layout, part, meta, unit_tokens, after))
+        return self.reply()
+
+    def _free_block(self) -> None:
+        if self.block is not None:
+            self.block.close(unlink=True)
+            self.block = None
+
+    def close(self) -> None:
+        super().close()
+        self._free_block()
+
+
+class _Joiner(_Child):
+    """A child that builds the output from finished units in order (:func:`_join_request`)."""
+
+    role = "joiner"
+
+
+_IDLE: dict[type, list[_Child]] = {}  # started children, kept for the next writer (a bench opens one per pass)
 _IDLE_LOCK = threading.Lock()
 
 
-def _take_encoder() -> _Encoder:
+def _take(kind: type) -> _Child:
     with _IDLE_LOCK:
-        if _IDLE:
-            return _IDLE.pop()
-    return _Encoder()
+        if _IDLE.get(kind):
+            return _IDLE[kind].pop()
+    return kind()
 
 
-def _give_back(encoder: _Encoder) -> None:
-    if encoder.proc.poll() is None:
+def _give_back(child: _Child) -> None:
+    if child.proc.poll() is None:
         with _IDLE_LOCK:
-            _IDLE.append(encoder)
+            _IDLE.setdefault(type(child), []).append(child)
+    else:
+        child.close()
 
 
 @atexit.register
-def _close_encoders() -> None:
+def _close_children() -> None:
     with _IDLE_LOCK:
-        for encoder in _IDLE:
-            encoder.close()
+        for child in (c for kind in _IDLE.values() for c in kind):
+            child.close()
         _IDLE.clear()
 
 
-def _serve() -> None:
-    """The encoder process's loop (:class:`_Encoder`): a unit's columns from the first shared
-    block, its stored columns into the second (or in the reply when they do not fit)."""
+def _stored_block(stored: dict[str, np.ndarray]) -> tuple[str, int, list]:
+    """The stored columns in a new block of shared memory: (path, size, layout)."""
+    layout, nbytes = _layout(stored)
+    block = _Shared(max(nbytes, 1))
+    try:
+        for name, view in _views(block.map, layout).items():
+            view[...] = stored[name]
+    except BaseException:
+        block.close(unlink=True)
+        raise
+    block.close()
+    return block.path, block.size, layout
+
+
+class _Mapped:
+    """The encoder's view of the writer's input block, mapped again only when it changes."""
+
+    def __init__(self):
+        self.block: _Shared | None = None
+
+    def get(self, path: str, size: int) -> _Shared:
+        if self.block is None or (self.block.path, self.block.size) != (path, size):
+            if self.block is not None:
+                self.block.close()
+            self.block = _Shared(size, path)
+        return self.block
+
+
+def _encode_request(state: _Mapped, request):
+    """Encoder: write a unit from the input block; (footer, start, its stored columns' block)."""
+    path, size, layout, part, meta, unit_tokens, after = request
+    views = _views(state.get(path, size).map, layout)
+    footer, start, stored = _write_unit(part, meta, unit_tokens, after, views)
+    return footer, start, _stored_block(stored)
+
+
+class _Join:
+    """The joiner's output: a ParquetJoin and the content hash, or None between files."""
+
+    def __init__(self):
+        self.file = self.join = self.content = None
+
+
+def _join_request(state: _Join, request):
+    """Joiner: ``("open", path, meta)``; ``("append", part, footer, start, (block path, size,
+    layout))`` (both files are removed whatever happens); ``("end", keep)``: the footer and the
+    content hash written (``keep``) or not, the file closed (then a next open)."""
+    kind = request[0]
+    if kind == "open":
+        state.file = open(request[1], "wb")  # noqa: SIM115 - closed by "end"
+        state.join, state.content = ParquetJoin(state.file), ContentHash(request[2])
+        return None
+    if kind == "append":
+        _, part, footer, start, (path, size, layout) = request
+        try:
+            state.join.append(Path(part), footer, start)
+            block = _Shared(size, path)
+            views = _views(block.map, layout)
+            state.content.update(views)
+            del views  # the map closes only without exported buffers
+            block.close()
+        finally:
+            Path(part).unlink(missing_ok=True)
+            Path(path).unlink(missing_ok=True)
+        return None
+    if kind == "end":
+        file, state.file = state.file, None
+        try:
+            if request[1]:
+                state.join.finish(state.content.hexdigest())
+        finally:
+            if file is not None:
+                file.close()
+        return None
+    raise ValueError(f"unknown joiner request {kind!r}")
+
+
+def _serve(role: str) -> None:
+    """A child's loop (:class:`_Child`): one answer per request, errors included."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    mapped: dict[str, _Shared] = {}
+    handle, state = {"encoder": (_encode_request, _Mapped), "joiner": (_join_request, _Join)}[role]
+    state = state()
     while True:
         try:
-            path_in, path_out, size, layout, part, meta, unit_tokens, after = pickle.load(stdin)
+            request = pickle.load(stdin)
         except EOFError:
             return
         try:
-            for path in (path_in, path_out):
-                if path not in mapped or mapped[path].size != size:
-                    if path in mapped:
-                        mapped.pop(path).close()
-                    mapped[path] = _Shared(size, path)
-            for path in [p for p in mapped if p not in (path_in, path_out)]:
-                mapped.pop(path).close()  # blocks the writer replaced
-            footer, start, stored = _write_unit(part, meta, unit_tokens, after, _views(mapped[path_in].map, layout))
-            out_layout, nbytes = _layout(stored)
-            if nbytes <= size:
-                for name, view in _views(mapped[path_out].map, out_layout).items():
-                    view[...] = stored[name]
-                stored = out_layout
-            reply = (True, (footer, start, stored))
+            reply = (True, handle(state, request))
         except BaseException as e:  # noqa: BLE001 - every error goes back to the writer
             reply = (False, e)
         pickle.dump(reply, stdout, protocol=pickle.HIGHEST_PROTOCOL)
@@ -207,6 +305,13 @@ def _write_unit(part: Path, meta: TraceMeta, unit_tokens: int, after, cols: dict
     with TraceWriter(part, meta, row_group_tokens=unit_tokens, record_content=False, after=after) as writer:
         stored = writer.write(**cols)
     return (*read_footer(part), stored)
+
+
+def _remove_unit_files(request: tuple | None) -> None:
+    """The part file and stored block of a joiner's ``append`` request."""
+    if request is not None and request[0] == "append":
+        Path(request[1]).unlink(missing_ok=True)
+        Path(request[4][0]).unlink(missing_ok=True)
 
 
 class ParallelTraceWriter:
@@ -249,6 +354,15 @@ class ParallelTraceWriter:
         self._error: BaseException | None = None
         self._cancelled = False  # workers skip what is still queued
         self._closed = False
+        self._joiner: _Joiner | None = None  # with encoder processes: appends and hashes
+        self._sent: queue.Queue = queue.Queue()  # the joiner's requests not answered yet, in order
+        self._replies: threading.Thread | None = None
+        if processes:
+            self._joiner = _take(_Joiner)
+            self._replies = threading.Thread(target=self._read_replies, args=(self._joiner,), name="trace-joiner",
+                                             daemon=True)
+            self._replies.start()
+            self._to_joiner(("open", str(self._tmp), meta))
         self._threads = [threading.Thread(target=self._encode, name=f"trace-encoder-{i}", daemon=True)
                          for i in range(self.workers)]
         for t in self._threads:
@@ -286,7 +400,7 @@ class ParallelTraceWriter:
     def _encode(self) -> None:
         encoder = None
         try:
-            encoder = _take_encoder() if self._processes else None
+            encoder = _take(_Encoder) if self._processes else None
         except OSError as e:
             self._error = e
         try:
@@ -312,19 +426,55 @@ class ParallelTraceWriter:
                 self._error = e
 
     def _append_in_order(self, index: int, unit: tuple) -> None:
-        """Append every finished unit that comes next (the thread that finishes one does it)."""
+        """Append every finished unit that comes next (the thread that finishes one does it, or
+        hands it to the joiner process)."""
         with self._lock:
             self._finished[index] = unit
             while (unit := self._finished.get(self._appended)) is not None:
                 part, footer, start, stored = unit
-                if self._join is None:
-                    self._file = self._tmp.open("wb")
-                    self._join = ParquetJoin(self._file)
-                self._join.append(part, footer, start)
-                self._content.update(stored)
-                part.unlink()
+                if self._joiner is not None:  # the joiner removes the part and the stored block
+                    self._to_joiner(("append", str(part), footer, start, stored))
+                else:
+                    if self._join is None:
+                        self._file = self._tmp.open("wb")
+                        self._join = ParquetJoin(self._file)
+                    self._join.append(part, footer, start)
+                    self._content.update(stored)
+                    part.unlink()
                 del self._finished[self._appended]  # only now: a unit that failed is removed by close
                 self._appended += 1
+
+    def _to_joiner(self, request: tuple) -> None:
+        self._sent.put(request)
+        self._joiner.send(request)
+
+    def _read_replies(self, joiner: _Joiner) -> None:
+        """The joiner's answers, one per request, until the one to "end"; the first error is kept."""
+        while (request := self._sent.get()) is not None:
+            try:
+                joiner.reply()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the writing thread
+                self._error = self._error or e
+                if joiner.proc.poll() is not None:  # exited: no more answers
+                    _remove_unit_files(request)  # the rest: by _remove_files
+                    return
+            if request[0] == "end":
+                return
+
+    def _end_join(self, keep: bool) -> None:
+        """The joiner writes the footer (``keep``) or not and closes the output; waits for it."""
+        joiner, self._joiner = self._joiner, None
+        if joiner is None:
+            return
+        try:
+            end = ("end", keep)
+            self._sent.put(end)
+            joiner.send(end)
+        except RuntimeError as e:
+            self._error = self._error or e
+            self._sent.put(None)
+        self._replies.join()
+        _give_back(joiner)
 
     def _stop_workers(self) -> None:
         for _ in self._threads:
@@ -346,12 +496,14 @@ class ParallelTraceWriter:
         finally:
             self._stop_workers()
         try:
+            self._end_join(keep=self._error is None and self._queued > 0)
             self._raise_error()
             if not self._queued:
                 TraceWriter(self.path, self.meta).close()  # no tokens: the single writer's error
             else:
-                self._join.finish(self._content.hexdigest())
-                self._file.close()
+                if self._join is not None:
+                    self._join.finish(self._content.hexdigest())
+                    self._file.close()
                 os.replace(self._tmp, self.path)
         finally:
             self._remove_files()
@@ -363,14 +515,21 @@ class ParallelTraceWriter:
         self._closed = True
         self._pending = []
         self._cancelled = True
-        self._stop_workers()
-        self._remove_files()
+        try:
+            self._stop_workers()
+            self._end_join(keep=False)
+        finally:
+            self._remove_files()
 
     def _remove_files(self) -> None:
         """Remove the hidden files: units not appended, and the output unless it was moved to ``path``."""
-        for part, *_ in self._finished.values():
+        for part, _, _, stored in self._finished.values():
             part.unlink(missing_ok=True)
+            if isinstance(stored, tuple):  # an encoder process's block, not handed to the joiner
+                Path(stored[0]).unlink(missing_ok=True)
         self._finished.clear()
+        while not self._sent.empty():  # handed to a joiner that exited before it answered
+            _remove_unit_files(self._sent.get())
         if self._file is not None:
             self._file.close()
         self._tmp.unlink(missing_ok=True)
@@ -383,4 +542,4 @@ class ParallelTraceWriter:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1] if len(sys.argv) > 1 else "encoder")
