@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from traces.atomic import atomic_write_text
 from traces.capture.config import WRITERS, CaptureConfig, LookaheadConfig, ModelConfig
@@ -49,18 +50,30 @@ def _forward_only(model, windows, batch_size: int) -> None:
     _sync(model.device)
 
 
+class Timed(NamedTuple):
+    """A result that says how long its own measured part took (what came after it is not timed)."""
+
+    seconds: float
+    result: object
+
+
 def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict]:
     """Median seconds of each of ``fns`` over ``repeats`` rounds (one call of each per round, in
-    turn), after a warm-up call of each; and each function's last result. Rounds, not one
-    function's repeats back to back: a host whose speed drifts over the minutes of a run then
-    moves every variant alike instead of showing up as one variant's overhead."""
-    results = {name: fn() for name, fn in fns.items()}  # warm-up: kernels, allocator, first writer
+    turn), after a warm-up call of each; and each function's last result. A function that returns
+    :class:`Timed` is timed by it. Rounds, not one function's repeats back to back: a host whose
+    speed drifts over the minutes of a run then moves every variant alike instead of showing up
+    as one variant's overhead."""
+    def call(fn) -> tuple[float, object]:
+        start = time.perf_counter()
+        out = fn()
+        return (out.seconds, out.result) if isinstance(out, Timed) else (time.perf_counter() - start, out)
+
+    results = {name: call(fn)[1] for name, fn in fns.items()}  # warm-up: kernels, allocator, first writer
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            results[name] = fn()
-            times[name].append(time.perf_counter() - start)
+            seconds, results[name] = call(fn)
+            times[name].append(seconds)
     return {name: statistics.median(t) for name, t in times.items()}, results
 
 
@@ -78,15 +91,19 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
 
     closes: list[float] = []  # per capture pass: the loop's end to the file closed
 
-    def capture() -> dict:
+    def capture() -> Timed:
+        """Timed from the start to the file closed: removing the file after it (a 131,072-token
+        trace of the 30B shape is 1.4 GB of page cache) is no part of a capture."""
+        start = time.perf_counter()
         meta = build_meta(model, sites, name, domains, cfg, {}, probs)
         with tempfile.TemporaryDirectory() as tmp:
             with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer) as w:
                 stats = capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
                                         logits_are_probs=probs)
                 end = time.perf_counter()
-            closes.append(time.perf_counter() - end)
-            return stats
+            closed = time.perf_counter()
+            closes.append(closed - end)
+        return Timed(closed - start, stats)
 
     t, last = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks,
                              "capture": capture}, repeats)
