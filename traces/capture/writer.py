@@ -262,9 +262,7 @@ def _join_request(state: _Join, request):
         try:
             state.join.append(Path(part), footer, start)
             block = _Shared(size, path)
-            views = _views(block.map, layout)
-            state.content.update(views)
-            del views  # the map closes only without exported buffers
+            state.content.update(_views(block.map, layout))
             block.close()
         finally:
             Path(part).unlink(missing_ok=True)
