@@ -607,7 +607,8 @@ def test_bench_rounds_time_a_self_timed_pass_by_its_own_measure():
         time.sleep(0.01)
         return "rows"
 
-    medians, last = _timed_rounds({"plain": plain, "capture": self_timed}, repeats=3)
+    medians, last, rounds = _timed_rounds({"plain": plain, "capture": self_timed}, repeats=3)
     assert last == {"plain": "rows", "capture": "stats"} and len(calls) == 4  # warm-up + 3 rounds
+    assert rounds["capture"] == [0.010, 0.015, 0.020] and len(rounds["plain"]) == 3
     assert medians["capture"] == 0.015  # the rounds' own measures 0.010, 0.015, 0.020
     assert 0.01 <= medians["plain"] < 0.05

@@ -563,11 +563,16 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
                            "re-capture in a precision that does not overflow, or drop the logits")
     ids = cols.get("logit_ids")
     if ids is not None:
-        problem = _ids_problem("logit_ids", ids, num_experts, first, "top-R ids",
-                               "each token-layer must list R distinct experts")
+        problem = _range_problem("logit_ids", ids, num_experts, first)
         if problem:
             return problem
-        missing = _not_listed(experts, ids, num_experts)
+        listed = _id_table(ids, num_experts)  # one table for both checks: R pairs would be R(R-1)/2
+        duplicate = np.count_nonzero(listed, axis=-1) < ids.shape[-1]
+        if duplicate.any():
+            t, layer = first(duplicate)
+            return Problem("logit_ids", t, layer, f"top-R ids {ids[t, layer].tolist()} repeats an expert",
+                           "each token-layer must list R distinct experts")
+        missing = ~np.take_along_axis(listed, experts.astype(np.intp), axis=-1)
         if missing.any():
             t, layer = first(missing.any(axis=-1))
             expert = experts[t, layer][missing[t, layer]][0]
@@ -593,15 +598,17 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
     return None
 
 
-def _not_listed(experts: np.ndarray, ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """bool[..., k]: experts[..., i] is not among ids[...] (both in 0..E-1). Each token-layer's
-    ids are marked in a table of E flags and the experts read back: faster than comparing every
-    pair (k x R per token-layer)."""
-    n, k = experts.size // experts.shape[-1], experts.shape[-1]
-    offset = np.arange(0, n * num_experts, num_experts, dtype=np.int64)[:, None]
-    listed = np.zeros(n * num_experts, bool)
-    listed[ids.reshape(n, -1) + offset] = True
-    return ~listed[experts.reshape(n, k) + offset].reshape(experts.shape)
+def _id_table(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """bool[..., E]: the experts each row of ``ids`` (all in 0..E-1) lists. Marking a table of E
+    flags per row is faster than comparing pairs of ids once rows are longer than about 16 (and
+    reading the selected experts back from it, than comparing each with every listed one)."""
+    r = ids.shape[-1]
+    n = ids.size // max(r, 1)
+    flat = ids.reshape(n, r).astype(np.intp)
+    flat += np.arange(0, n * num_experts, num_experts, dtype=np.intp)[:, None]
+    table = np.zeros(n * num_experts, bool)
+    table[flat] = True
+    return table.reshape(*ids.shape[:-1], num_experts)
 
 
 def _is_nan(values: np.ndarray) -> np.ndarray:
@@ -611,15 +618,23 @@ def _is_nan(values: np.ndarray) -> np.ndarray:
     return (values.view(np.uint16) & 0x7FFF) > 0x7C00
 
 
-def _ids_problem(column: str, ids: np.ndarray, num_experts: int, first, listed: str,
-                 fix: str) -> Problem | None:
-    """The first token-layer whose expert ids leave 0..E-1 or repeat one, or None."""
+def _range_problem(column: str, ids: np.ndarray, num_experts: int, first) -> Problem | None:
+    """The first token-layer with an expert id outside 0..E-1, or None."""
     out_of_range = (ids < 0) | (ids >= num_experts)
     if out_of_range.any():
         t, layer = first(out_of_range.any(axis=-1))
         value = ids[t, layer][out_of_range[t, layer]][0]
         return Problem(column, t, layer, f"expert id {value} is outside 0..{num_experts - 1}",
                        "fix the ids or the metadata's num_experts")
+    return None
+
+
+def _ids_problem(column: str, ids: np.ndarray, num_experts: int, first, listed: str,
+                 fix: str) -> Problem | None:
+    """The first token-layer whose expert ids leave 0..E-1 or repeat one, or None."""
+    problem = _range_problem(column, ids, num_experts, first)
+    if problem:
+        return problem
     duplicate = _repeats(ids)
     if duplicate.any():
         t, layer = first(duplicate)

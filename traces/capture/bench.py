@@ -57,12 +57,12 @@ class Timed(NamedTuple):
     result: object
 
 
-def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict]:
+def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict[str, list[float]]]:
     """Median seconds of each of ``fns`` over ``repeats`` rounds (one call of each per round, in
     turn), after a warm-up call of each; and each function's last result. A function that returns
     :class:`Timed` is timed by it. Rounds, not one function's repeats back to back: a host whose
     speed drifts over the minutes of a run then moves every variant alike instead of showing up
-    as one variant's overhead."""
+    as one variant's overhead. Third: each function's timed rounds in seconds (the drift)."""
     def call(fn) -> tuple[float, object]:
         start = time.perf_counter()
         out = fn()
@@ -74,7 +74,7 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict]:
         for name, fn in fns.items():
             seconds, results[name] = call(fn)
             times[name].append(seconds)
-    return {name: statistics.median(t) for name, t in times.items()}, results
+    return {name: statistics.median(t) for name, t in times.items()}, results, times
 
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
@@ -105,7 +105,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
             closes.append(closed - end)
         return Timed(closed - start, stats)
 
-    t, last = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks,
+    t, last, rounds = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks,
                              "capture": capture}, repeats)
     t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
@@ -126,6 +126,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "capture_loop_overhead_pct": round(100 * ((t_cap - close) / t_fwd - 1), 1),
         "close_s": round(close, 3),
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
+        "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
     }
 
 

@@ -38,6 +38,7 @@ from traces.capture.hooks import (
     check_lookahead_source,
     router_returns_probabilities,
 )
+from traces.capture.nll import token_nll
 from traces.capture.routers import RouterSite, routing_metadata
 from traces.capture.text import Window, make_windows, read_documents
 from traces.capture.writer import ParallelTraceWriter
@@ -53,7 +54,6 @@ from traces.format import (
 
 MODES = ("teacher_forced", "generate")
 ROW_GROUP_FRACTION = 16  # capture row groups are 1/16 of the format's default (~4 MiB in memory)
-NLL_CHUNK_ELEMENTS = 1 << 28  # bound the float32 copy of the LM logits used for the NLL
 # While capturing, the GIL changes hands at least this often: the encoder threads need it briefly
 # between pyarrow calls, and a loop busy launching a small model's kernels would otherwise keep
 # each of them waiting up to Python's default 5 ms (on 2 cores, a busy Python loop beside the
@@ -193,19 +193,6 @@ class _Drain:
             raise self._error
 
 
-def token_nll(lm_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced NLL (nats) of each token given the ones before it: float32[B, S], NaN at 0."""
-    B, S, V = lm_logits.shape
-    nll = torch.full((B, S), float("nan"), dtype=torch.float32, device=lm_logits.device)
-    rows = max(1, NLL_CHUNK_ELEMENTS // max(1, S * V))
-    for b in range(0, B, rows):
-        lg = lm_logits[b : b + rows, :-1].float()
-        nll[b : b + rows, 1:] = F.cross_entropy(
-            lg.reshape(-1, V), input_ids[b : b + rows, 1:].reshape(-1), reduction="none"
-        ).view(lg.shape[0], S - 1)
-    return nll
-
-
 def _sort_descending(values: torch.Tensor) -> torch.Tensor:
     """Indices sorting the last axis descending, ties in index order (numpy's stable argsort of -x).
 
@@ -240,22 +227,28 @@ def top_r_lookahead(lookahead: torch.Tensor, r: int, missing: torch.Tensor) -> t
     return values, ids
 
 
-def _routing_parts(routing: StepRouting, slots: torch.Tensor, storage: Storage,
+def _real(values: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``values`` at the real token slots (``None``: all of them)."""
+    return values if slots is None else values.index_select(0, slots)
+
+
+def _routing_parts(routing: StepRouting, slots: torch.Tensor | None, storage: Storage,
                    missing: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The recorded tensors of the real token slots, in the form the trace stores (on the device).
+    """The recorded tensors of the real token slots (``slots``; None: every slot), in the form the
+    trace stores (on the device).
 
     ``missing`` bool[L, D] (with look-ahead): layer l + d does not exist.
     """
-    experts = routing.experts.index_select(0, slots)
-    parts = {"experts": experts.to(torch.int16), "weights": routing.weights.index_select(0, slots)}
+    experts = _real(routing.experts, slots)
+    parts = {"experts": experts.to(torch.int16), "weights": _real(routing.weights, slots)}
     if storage.logits != "none":
-        logits = routing.logits.index_select(0, slots).to(torch.float16)
+        logits = _real(routing.logits, slots).to(torch.float16)
         if storage.logits_top_r:
             parts["logits"], parts["logit_ids"] = top_r_logits(logits, experts, storage.logits_top_r)
         else:
             parts["logits"] = logits
     if storage.lookahead:
-        ahead = routing.lookahead.index_select(0, slots).to(torch.float16)
+        ahead = _real(routing.lookahead, slots).to(torch.float16)
         if storage.lookahead_top_r:
             parts["lookahead_logits"], parts["lookahead_ids"] = top_r_lookahead(
                 ahead, storage.lookahead_top_r, missing)
@@ -298,9 +291,9 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
         routing = recorder.collect(B * S)
         pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
         slots_np = np.concatenate([b * S + np.arange(n) for b, n in enumerate(lengths)])
-        slots = torch.from_numpy(slots_np).to(device)
+        slots = None if mask is None else torch.from_numpy(slots_np).to(device)  # None: every slot is a token
         dev = stored(routing, slots)
-        dev["nll"] = token_nll(out.logits, input_ids).reshape(-1).index_select(0, slots)
+        dev["nll"] = _real(token_nll(out.logits, input_ids).reshape(-1), slots)
         host = {
             "seq": np.repeat([w.seq for w in batch], lengths).astype(np.int32),
             "pos": pos,
@@ -490,7 +483,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     drain = _Drain(write, model.device)
     counted = [0]
 
-    def stored(routing: StepRouting, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    def stored(routing: StepRouting, slots: torch.Tensor | None) -> dict[str, torch.Tensor]:
         return _routing_parts(routing, slots, storage, missing)
 
     def on_tokens(n: int) -> None:

@@ -110,12 +110,18 @@ class RouterRecorder:
                     "(router_logits, weights, ids); this transformers version is not supported"
                 )
             logits, weights, ids = output
-            E, k = site.num_experts, site.top_k
-            logits = self._as_logits(logits.detach().reshape(-1, E))
+            if logits.requires_grad:  # outside inference mode: keep no graph alive
+                logits, weights, ids = logits.detach(), weights.detach(), ids.detach()
+            # at batch 1 every tensor op here is host time the forward waits for: reshape only when needed
+            if logits.dim() != 2:
+                logits = logits.reshape(-1, site.num_experts)
+            if weights.dim() != 2:
+                weights = weights.reshape(-1, site.top_k)
+            if ids.dim() != 2:
+                ids = ids.reshape(-1, site.top_k)
+            logits = self._as_logits(logits)
             if self.lookahead and self.lookahead.source == "moe_input":
                 self._ahead[j] = self._routers_ahead(j, args[0])
-            weights = weights.detach().reshape(-1, k)
-            ids = ids.detach().reshape(-1, k)
             order = rank_order(site, logits, ids)
             if order is not None:
                 ids = ids.gather(1, order)
