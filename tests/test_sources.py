@@ -94,6 +94,9 @@ def trace(request, tmp_path) -> tuple[Path, Path]:
     legacy = tmp_path / "legacy.parquet"
     repack_trace(path, legacy, compact_logits=True)
     assert pq.read_schema(legacy).field("logits").type == pa.list_(pa.float16(), 8 if request.param == "top_r" else E)
+    for name, width, value in (("experts", 2, pa.int16()), ("weights", 4, pa.float32())):  # bytes; lists compact
+        assert pq.read_schema(path).field(name).type == pa.binary(width * K)
+        assert pq.read_schema(legacy).field(name).type == pa.list_(value, K)
     if request.param == "top_r":  # the ids: int16 bytes by default, a list of int16 compact
         assert pq.read_schema(path).field("logit_ids").type == pa.binary(16)
         assert pq.read_schema(legacy).field("logit_ids").type == pa.list_(pa.int16(), 8)

@@ -121,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "in the metadata); default: keep them exact")
     repack.add_argument("--model-name", default=None, help="set the model name recorded in the metadata")
     repack.add_argument("--compact-logits", action="store_true",
-                        help="store the logits as float16 lists with byte-stream-split and zstd: "
+                        help="store the logits as float16 lists with byte-stream-split and zstd "
+                             "(and the ids, experts and weights as lists, as earlier versions did): "
                              "smaller files (about 30 %% less), slower to decode (about 7x); "
-                             "default: float16 bytes with LZ4")
+                             "default: float16 bytes with LZ4, the rest as zstd bytes")
     _force(repack)
     repack.set_defaults(command=_repack)
 
