@@ -78,3 +78,28 @@ def test_one_pass_kernel_equals_logsumexp():
 def test_log_sum_exp_without_the_kernel():
     x = torch.randn(4, 70, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     np.testing.assert_allclose(nll.log_sum_exp(x).numpy(), torch.logsumexp(x.double(), -1).numpy(), rtol=1e-6)
+
+
+def test_a_kernel_that_fails_falls_back_once_with_a_warning(monkeypatch):
+    """A host where Triton cannot compile the kernel: one warning, the same NLL, no retry."""
+    calls = []
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise RuntimeError("no compiler for this GPU\nmore detail")
+            return launch
+
+    monkeypatch.setattr(nll, "_kernel", lambda: Broken())
+    monkeypatch.setattr(nll, "_FAILED", [])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    lm = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 40, (2, 5))
+    with pytest.warns(RuntimeWarning, match="no compiler for this GPU"):
+        got = nll.token_nll(lm, ids)
+    again = nll.token_nll(lm, ids)  # the log_softmax path now, without another attempt
+    assert len(calls) == 1 and nll._FAILED == ["RuntimeError: no compiler for this GPU"]
+    expected = reference_nll(lm.numpy(), ids.numpy())
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(again.numpy(), expected, rtol=1e-5, atol=1e-5)

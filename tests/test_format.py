@@ -9,11 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from table_cases import column_values, with_values
 
 from traces.cli import main
 from traces.errors import InputError
 from traces.format import (
-    BINARY_DTYPES,
     CHUNK_BYTES,
     META_KEY,
     PHASE_DECODE,
@@ -235,28 +235,6 @@ def rewrite(good: Path, out: Path, table: pa.Table | None = None, meta: dict | N
         del metadata[META_KEY]
     pq.write_table(table.replace_schema_metadata(metadata), out)
     return out
-
-
-def column_values(column: pa.Array, name: str) -> np.ndarray:
-    """A per-layer column's values as (rows, width): list entries, or binary values (logits as
-    float16, ids as int16)."""
-    if pa.types.is_fixed_size_binary(column.type):
-        dtype = BINARY_DTYPES[name]
-        return np.frombuffer(column.buffers()[1], dtype)[:len(column) * column.type.byte_width // dtype.itemsize] \
-            .reshape(len(column), -1).copy()
-    return column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1).copy()
-
-
-def with_values(table: pa.Table, name: str, change) -> pa.Table:
-    """The table with a per-layer column's values (rows, width) changed in place by ``change``."""
-    column = table.column(name).combine_chunks()
-    values = column_values(column, name)
-    change(values)
-    if pa.types.is_fixed_size_binary(column.type):
-        array = pa.FixedSizeBinaryArray.from_buffers(column.type, len(column), [None, pa.py_buffer(values)])
-    else:
-        array = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
-    return table.set_column(table.schema.get_field_index(name), name, array)
 
 
 def written(out: Path, data: bytes) -> Path:

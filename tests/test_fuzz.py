@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from table_cases import list_form
 
 import simulator.trace_cache as trace_cache
 import traces.format as trace_format
@@ -97,8 +98,11 @@ def meta_of(path: Path, **changes) -> dict:
 
 
 def with_null(table: pa.Table, name: str, row: int, entry: int | None = None) -> pa.Table:
-    """The table with row ``row`` of column ``name`` null (or, with ``entry``, one list entry)."""
+    """The table with row ``row`` of column ``name`` null (or, with ``entry``, one list entry; a
+    column of bytes is rewritten in its list form, which readers also take, to hold one)."""
     column = table.column(name).combine_chunks()
+    if entry is not None and pa.types.is_fixed_size_binary(column.type):
+        column = list_form(column, name)
     if entry is None or not pa.types.is_fixed_size_list(column.type):
         mask = pa.array(np.arange(len(column)) == row)
         changed = pc.if_else(mask, pa.scalar(None, column.type), column)
@@ -124,6 +128,8 @@ def _meta_case(**changes):
 
 def _set_weights(table: pa.Table, value: float) -> pa.Table:
     column = table.column("weights").combine_chunks()
+    if pa.types.is_fixed_size_binary(column.type):
+        column = list_form(column, "weights")
     values = column.flatten().to_numpy().copy()
     values[: 2 * 2] = value  # the first two rows' top-2 weights
     array = pa.FixedSizeListArray.from_arrays(pa.array(values), 2)
@@ -190,6 +196,8 @@ def test_gate_weights_near_float32_max_normalise_instead_of_becoming_0(small, tm
 def test_a_content_change_behind_valid_metadata_is_caught_by_verify(small, tmp_path):
     table = pq.read_table(small)
     column = table.column("experts").combine_chunks()
+    if pa.types.is_fixed_size_binary(column.type):
+        column = list_form(column, "experts")
     values = column.flatten().to_numpy().copy()
     values[[0, 1]] = values[[1, 0]]  # swap the first token-layer's two experts: still valid
     table = table.set_column(table.schema.get_field_index("experts"), "experts",

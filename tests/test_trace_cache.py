@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
+from table_cases import with_values
 
 import simulator.trace_cache as trace_cache
 from simulator.engine import simulate
@@ -224,11 +224,7 @@ def test_a_trace_whose_content_does_not_match_its_hash_is_not_cached(trace_file,
     table = pq.read_table(trace_file)
     kv = dict(pq.read_metadata(trace_file).metadata)
     kv.pop(b"ARROW:schema")
-    weights = table.column("weights").combine_chunks()
-    values = weights.flatten().to_numpy().copy()
-    values[0] *= 2  # still a valid weight
-    table = table.set_column(table.schema.get_field_index("weights"), "weights",
-                             pa.FixedSizeListArray.from_arrays(pa.array(values), weights.type.list_size))
+    table = with_values(table, "weights", lambda w: w.__setitem__((0, 0), 2 * w[0, 0]))  # still a valid weight
     damaged = tmp_path / "damaged.parquet"
     pq.write_table(table.replace_schema_metadata(kv), damaged)
     with pytest.raises(InputError, match="does not match the hash the file records"):

@@ -10,6 +10,7 @@ an online maximum. Elsewhere ``log_softmax`` in float32 does it, a few windows a
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -47,9 +48,12 @@ def _kernel():
     return lse_rows
 
 
+_FAILED: list[str] = []  # the kernel's first error on this host: then never tried again
+
+
 def uses_kernel(x: torch.Tensor) -> bool:
     """Whether :func:`log_sum_exp` of ``x`` runs the one-pass kernel."""
-    return x.is_cuda and _kernel() is not None
+    return x.is_cuda and not _FAILED and _kernel() is not None
 
 
 def log_sum_exp(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +65,13 @@ def log_sum_exp(x: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     if n:
-        _kernel()[(n,)](x, out, cols, x.stride(0), BLOCK=LSE_BLOCK, num_warps=8)
+        try:
+            _kernel()[(n,)](x, out, cols, x.stride(0), BLOCK=LSE_BLOCK, num_warps=8)
+        except Exception as e:  # noqa: BLE001 - e.g. a GPU or driver Triton cannot compile for
+            _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            warnings.warn(f"the one-pass NLL kernel failed ({_FAILED[0]}); using log_softmax instead",
+                          RuntimeWarning, stacklevel=2)
+            return torch.logsumexp(x.float(), dim=-1)
     return out
 
 
