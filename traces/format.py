@@ -554,16 +554,16 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
                            "each token-layer must select k distinct experts")
     if problem:
         return problem
-    bad_weight = ((~np.isfinite(weights) | (weights < 0)).any(axis=-1)
-                  | (weights.sum(axis=-1, dtype=np.float64) <= 0))
-    if bad_weight.any():
+    if not _plausible_weights(weights):  # the per-row masks (slow reductions) only to find the row
+        bad_weight = ((~np.isfinite(weights) | (weights < 0)).any(axis=-1)
+                      | (weights.sum(axis=-1, dtype=np.float64) <= 0))
         t, layer = first(bad_weight)
         shown = [float(f"{w:.4g}") for w in weights[t, layer]]
         return Problem("weights", t, layer, f"gate weights {shown} are not finite, "
                        "non-negative and of positive sum", "record the gate weights the model applied")
     logits = cols.get("logits")
-    if logits is not None:
-        nan = (_is_nan(logits)).any(axis=-1)
+    if logits is not None and _is_nan(logits).any():
+        nan = _is_nan(logits).any(axis=-1)
         if nan.any():
             t, layer = first(nan)
             return Problem("logits", t, layer, "router logits contain NaN",
@@ -625,8 +625,22 @@ def _is_nan(values: np.ndarray) -> np.ndarray:
     return (values.view(np.uint16) & 0x7FFF) > 0x7C00
 
 
+def _plausible_weights(weights: np.ndarray) -> bool:
+    """Every gate weight finite and non-negative, and every token-layer with a positive one (so of
+    positive sum): whole-array reductions and one pass per rank, which are several times faster
+    than reducing each token-layer's k weights."""
+    if not (np.isfinite(weights).all() and (weights >= 0).all()):
+        return False
+    positive = np.zeros(weights.shape[:-1], bool)
+    for i in range(weights.shape[-1]):
+        positive |= weights[..., i] > 0
+    return bool(positive.all())
+
+
 def _range_problem(column: str, ids: np.ndarray, num_experts: int, first) -> Problem | None:
     """The first token-layer with an expert id outside 0..E-1, or None."""
+    if not ids.size or (ids.min() >= 0 and ids.max() < num_experts):
+        return None
     out_of_range = (ids < 0) | (ids >= num_experts)
     if out_of_range.any():
         t, layer = first(out_of_range.any(axis=-1))
