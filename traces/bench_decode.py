@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [
             ("Parquet, compact logits (list<float16>, BSS + zstd)", lambda: legacy.iter_chunks()),
             ("Parquet, fixed_size_binary + lz4 (the default)", lambda: reader.iter_chunks()),
+            ("Parquet, compact encoding, logits=False", lambda: legacy.iter_chunks(logits=False)),
             ("Parquet, logits=False", lambda: reader.iter_chunks(logits=False)),
             ("trace cache, float16 + lookup table", lambda: cache.iter_chunks()),
             ("trace cache, logits=False", lambda: cache.iter_chunks(logits=False)),
