@@ -518,7 +518,8 @@ def test_writer_settings_are_checked_before_the_model_runs():
     from traces.capture.capture import check_config
 
     for bad, words in [({"writer": "fork"}, "writer=fork is not valid; choose one of: processes, threads"),
-                       ({"writers": -1}, "writers=-1 must be >= 0")]:
+                       ({"writers": -1}, "writers=-1 must be >= 0"),
+                       ({"unit_tokens": -5}, "unit_tokens=-5 must be >= 0")]:
         with pytest.raises(InputError, match=words):  # before the input paths are looked at
             check_config(CaptureConfig(**bad))
     with pytest.raises(InputError, match="input.paths is empty"):
@@ -541,10 +542,15 @@ def test_plain_capture_command_takes_moe_captures_overrides(tmp_path, capsys):
     summary, out = tmp_path / "run" / "capture.json", tmp_path / "t.parquet"
     common = [f"model.config={config}", "model.dtype=float32", "model.device=cpu", f"input.paths=[{tmp_path / 'a.txt'}]",
               "input.window_tokens=40", "batch_size=2", "progress=false", f"out={out}"]
-    main([f"--summary={summary}", *common, "lookahead.enabled=true", "lookahead.logits=top:3", "logits=top:4"])
+    main([f"--summary={summary}", *common, "lookahead.enabled=true", "lookahead.logits=top:3", "logits=top:4",
+          "unit_tokens=100"])
     stats = json.loads(summary.read_text())
     meta, chunk = read_trace(out)
     assert stats["tokens"] == chunk.num_tokens == 352 and stats["path"] == str(out)
+    import pyarrow.parquet as pq
+
+    md = pq.ParquetFile(out).metadata  # one row group per unit of 100 tokens x 2 layers
+    assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == [200, 200, 200, 104]
     assert (meta.logits_top_r, meta.lookahead_depth, meta.lookahead_top_r) == (4, 1, 3)
     assert capsys.readouterr().out.startswith("moe-capture: 352 tokens x 2 MoE layers")
     for bad, words in [("batch_sise=3", "'batch_sise=3' is not key=value"), ("lookahead.depth=x", "is not a valid int"),
@@ -563,24 +569,26 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     out = tmp_path / "bench.json"
     bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
                 "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
-                "--lookahead-depth", "1", "--writers", "2", "--writer", "processes,threads", "--out", str(out)])
+                "--lookahead-depth", "1", "--writers", "2", "--writer", "processes,threads", "--unit-tokens", "30",
+                "--out", str(out)])
     result = json.loads(out.read_text())
     assert [(r["writer"], r["batch_size"]) for r in result["runs"]] == [
         ("processes", 1), ("processes", 4), ("threads", 1), ("threads", 4)] and result["device"] == "cpu"
     for r in result["runs"]:
         assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x") and r["writers"] == 2
-        assert r["tokens"] == 200
+        assert r["tokens"] == 200 and r["unit_tokens"] == 30 and r["open_s"] >= 0
         # the overhead is the time ratio of the two rates (each rounded to a whole token/s)
         fwd, cap = r["forward_tokens_per_s"], r["capture_tokens_per_s"]
         assert (fwd - 0.5) / (cap + 0.5) - 1e-3 <= 1 + r["capture_overhead_pct"] / 100 <= (fwd + 0.5) / (cap - 0.5) + 1e-3
         assert 0 <= r["writer_wait_pct"] <= 100
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
     assert len(table) == 4 and [line.split("|")[3:5] for line in table][1:3] == [
-        [" 2 processes ", " 4 "], [" 2 threads ", " 1 "]]
+        [" 2 processes, 30-token units ", " 4 "], [" 2 threads, 30-token units ", " 1 "]]
 
 
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
-                                             (["--repeats", "0"], "--repeats 0: rounds must be at least 1")])
+                                             (["--repeats", "0"], "--repeats 0: rounds must be at least 1"),
+                                             (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
     from traces.capture import bench
 

@@ -80,7 +80,7 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3) -> dict:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads in %."""
-    from traces.capture.capture import build_meta, capture_windows, open_writer
+    from traces.capture.capture import auto_unit_tokens, build_meta, capture_windows, open_writer
     from traces.capture.hooks import router_returns_probabilities
 
     tokens = sum(len(w.tokens) for w in windows)
@@ -90,6 +90,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         return capture_windows(model, sites, windows, cfg, lambda rows: None, logits_are_probs=probs)
 
     closes: list[float] = []  # per capture pass: the loop's end to the file closed
+    opens: list[float] = []  # per capture pass: the start to the writer open (its fixed cost)
 
     def capture() -> Timed:
         """Timed from the start to the file closed: removing the file after it (a 131,072-token
@@ -97,7 +98,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         start = time.perf_counter()
         meta = build_meta(model, sites, name, domains, cfg, {}, probs)
         with tempfile.TemporaryDirectory() as tmp:
-            with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer) as w:
+            with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer, cfg.unit_tokens) as w:
+                opens.append(time.perf_counter() - start)
                 stats = capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
                                         logits_are_probs=probs)
                 end = time.perf_counter()
@@ -109,12 +111,15 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
                              "capture": capture}, repeats)
     t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
+    opened = statistics.median(opens[1:])
+    unit = cfg.unit_tokens or auto_unit_tokens(build_meta(model, sites, name, domains, cfg, {}, probs))
     return {
         "logits": cfg.logits,
         "lookahead": _lookahead_label(cfg.lookahead),
         "batch_size": cfg.batch_size,
         "writers": _workers(cfg),
         "writer": cfg.writer,
+        "unit_tokens": unit,
         "tokens": tokens,
         "forward_tokens_per_s": round(tokens / t_fwd),
         "hooks_tokens_per_s": round(tokens / t_hooks),
@@ -125,6 +130,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         # never waits for the writer (the close encodes the units still pending, a fixed tail)
         "capture_loop_overhead_pct": round(100 * ((t_cap - close) / t_fwd - 1), 1),
         "close_s": round(close, 3),
+        "open_s": round(opened, 3),  # the start to the writer open (metadata, threads, encoders)
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
     }
@@ -154,6 +160,8 @@ def overhead_table(bench: dict) -> list[str]:
         loop = (f"{r['capture_loop_overhead_pct']:+.1f} % ({r['close_s']:.2f})"
                 if "capture_loop_overhead_pct" in r else "n/a")
         encoders = f"{r['writers']} {r.get('writer', 'threads')}" if "writers" in r else "1 thread"
+        if "unit_tokens" in r:
+            encoders += f", {r['unit_tokens']:,}-token units"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
@@ -180,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--writers", type=int, default=defaults.writers, help="encoders; 0: moe-capture's default")
     p.add_argument("--writer", default=defaults.writer,
                    help=f"encoders in processes or threads, comma-separated (default: {defaults.writer})")
+    p.add_argument("--unit-tokens", default="0",
+                   help="tokens per row group the writer encodes at a time, comma-separated; 0: moe-capture's auto")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
@@ -188,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     bad = [w for w in args.writer.split(",") if w not in WRITERS]
     if bad:
         p.error(f"--writer {bad[0]} is not valid; choose from: {', '.join(WRITERS)}")
+    try:
+        units = [int(u) for u in args.unit_tokens.split(",")]
+    except ValueError:
+        units = [-1]
+    if min(units) < 0:
+        p.error(f"--unit-tokens {args.unit_tokens}: give whole numbers >= 0, comma-separated")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
 
@@ -206,16 +222,17 @@ def main(argv: list[str] | None = None) -> None:
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
-    for logits, writer, bs in itertools.product(args.logits.split(","), args.writer.split(","),
-                                                (int(x) for x in args.batch_sizes.split(","))):
+    for logits, writer, bs, unit in itertools.product(args.logits.split(","), args.writer.split(","),
+                                                      (int(x) for x in args.batch_sizes.split(",")), units):
         cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, writer=writer,
-                      lookahead=lookahead)
+                      lookahead=lookahead, unit_tokens=unit)
         r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
         results["runs"].append(r)
-        print(f"{name} logits={logits} writer={writer} batch {bs}: forward {r['forward_tokens_per_s']} tok/s, "
+        print(f"{name} logits={logits} writer={writer} unit {r['unit_tokens']} batch {bs}: forward {r['forward_tokens_per_s']} tok/s, "
               f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
               f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %; "
-              f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s)", flush=True)
+              f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
+              f"writer open {r['open_s']:.3f} s)", flush=True)
     if args.out:
         atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "

@@ -437,16 +437,24 @@ def _progress(enabled: bool | None, total: int):
                 desc="capture", smoothing=0.1)
 
 
-def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer: str = "processes") -> ParallelTraceWriter:
+def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer: str = "processes",
+                unit_tokens: int = 0) -> ParallelTraceWriter:
     """The capture's trace writer: row groups smaller than the format's default, encoded in parallel.
 
     Small row groups are encoded on the writer threads while the GPU runs the next batches; with
     the default (one row group per ~16 MiB) much of a short capture's writing would happen at the
     end, after the last forward. ``workers`` None or 0: :func:`~traces.capture.writer.default_workers`;
-    ``writer``: encoders in child ``processes`` or in ``threads`` of this process.
+    ``writer``: encoders in child ``processes`` or in ``threads`` of this process; ``unit_tokens``:
+    tokens per row group, 0: :func:`auto_unit_tokens`.
     """
-    unit = max(256, default_row_group_tokens(meta) // ROW_GROUP_FRACTION)
+    unit = unit_tokens or auto_unit_tokens(meta)
     return ParallelTraceWriter(path, meta, unit_tokens=unit, workers=workers or None, processes=writer == "processes")
+
+
+def auto_unit_tokens(meta: TraceMeta) -> int:
+    """The writer's tokens per row group when not set: 1/ROW_GROUP_FRACTION of the format's
+    default, at least 256."""
+    return max(256, default_row_group_tokens(meta) // ROW_GROUP_FRACTION)
 
 
 def check_config(cfg: CaptureConfig) -> None:
@@ -458,6 +466,8 @@ def check_config(cfg: CaptureConfig) -> None:
         raise InputError(f"batch_size={cfg.batch_size} must be at least 1")
     if cfg.writers < 0:
         raise InputError(f"writers={cfg.writers} must be >= 0 (0: half the CPU cores)")
+    if cfg.unit_tokens < 0:
+        raise InputError(f"unit_tokens={cfg.unit_tokens} must be >= 0 (0: about 1 MiB of rows per row group)")
     if cfg.writer not in WRITERS:
         raise InputError(f"writer={cfg.writer} is not valid; choose one of: {', '.join(WRITERS)}")
     if cfg.prefill_tokens < 0:
@@ -549,7 +559,7 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
         out.parent.mkdir(parents=True)
     remove_orphans(out.parent)  # unit files of a capture that was killed
     start = time.perf_counter()
-    with open_writer(out, meta, cfg.writers, cfg.writer) as writer, _progress(cfg.progress, total) as bar:
+    with open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens) as writer, _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
                                 probs)
     seconds = time.perf_counter() - start  # end to end: the last units encoded and joined too
