@@ -53,7 +53,12 @@ from traces.format import (
 )
 
 MODES = ("teacher_forced", "generate")
-ROW_GROUP_FRACTION = 16  # capture row groups are 1/16 of the format's default (~4 MiB in memory)
+# capture row groups are half the format's default (~8 MiB of stored rows). Each unit costs the
+# capture's process about a millisecond of Python beside the GPU's work (handing it to an encoder,
+# appending it), so a fast model's units must be large: the fixture at batch 16 (0.5 M tokens/s)
+# captured at +67 % over the forward with 1/16 of the default, at +21 % with 8,192-token units
+# (docs/capture/bench_1202e_*.json)
+ROW_GROUP_FRACTION = 2
 # While capturing, the GIL changes hands at least this often: the encoder threads need it briefly
 # between pyarrow calls, and a loop busy launching a small model's kernels would otherwise keep
 # each of them waiting up to Python's default 5 ms (on 2 cores, a busy Python loop beside the
@@ -467,7 +472,7 @@ def check_config(cfg: CaptureConfig) -> None:
     if cfg.writers < 0:
         raise InputError(f"writers={cfg.writers} must be >= 0 (0: half the CPU cores)")
     if cfg.unit_tokens < 0:
-        raise InputError(f"unit_tokens={cfg.unit_tokens} must be >= 0 (0: about 1 MiB of rows per row group)")
+        raise InputError(f"unit_tokens={cfg.unit_tokens} must be >= 0 (0: about 8 MiB of rows per row group)")
     if cfg.writer not in WRITERS:
         raise InputError(f"writer={cfg.writer} is not valid; choose one of: {', '.join(WRITERS)}")
     if cfg.prefill_tokens < 0:
