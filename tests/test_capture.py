@@ -620,3 +620,16 @@ def test_bench_rounds_time_a_self_timed_pass_by_its_own_measure():
     assert rounds["capture"] == [0.010, 0.015, 0.020] and len(rounds["plain"]) == 3
     assert medians["capture"] == 0.015  # the rounds' own measures 0.010, 0.015, 0.020
     assert 0.01 <= medians["plain"] < 0.05
+
+
+def test_the_writers_auto_unit_is_one_forward_within_1_16_to_1_2_of_a_row_group(monkeypatch):
+    from traces.capture import capture as C
+    from traces.capture.config import GenerateConfig, InputConfig
+
+    monkeypatch.setattr(C, "default_row_group_tokens", lambda meta: 16000)
+    assert [C.auto_unit_tokens(None, b) for b in (0, 512, 4096, 8192)] == [1000, 1000, 4096, 8000]
+    monkeypatch.setattr(C, "default_row_group_tokens", lambda meta: 1600)  # a large model's rows
+    assert [C.auto_unit_tokens(None, b) for b in (0, 512, 8192)] == [256, 512, 800]
+    assert C.batch_tokens(CaptureConfig(batch_size=16, input=InputConfig(window_tokens=300))) == 4800
+    assert C.batch_tokens(CaptureConfig(mode="generate", batch_size=4,
+                                        generate=GenerateConfig(prompt_tokens=10, new_tokens=20))) == 120

@@ -37,6 +37,27 @@ def blocks(cols, cuts):
     return [{k: v[a:b] for k, v in cols.items()} for a, b in zip(edges, edges[1:], strict=False)]
 
 
+def test_the_units_left_at_the_close_are_split_among_the_encoders(tmp_path, monkeypatch):
+    """What is pending at the close is cut into one unit per encoder (not below FINAL_UNIT_TOKENS),
+    so the close waits for a part of a unit, not a whole one; the file is the same."""
+    from traces.capture import writer as W
+
+    monkeypatch.setattr(W, "FINAL_UNIT_TOKENS", 40)
+    meta, cols = trace_columns()
+    with TraceWriter(tmp_path / "one.parquet", meta) as writer:
+        writer.write(**cols)
+    for workers, sizes in [(3, [100, 100, 100]), (10, [40] * 7 + [20])]:
+        path = tmp_path / f"many{workers}.parquet"
+        with ParallelTraceWriter(path, meta, unit_tokens=1000, workers=workers) as writer:
+            writer.write(**cols)  # 300 tokens: under one unit, all left for the close
+        md = pq.ParquetFile(path).metadata
+        layers = meta.num_layers
+        assert [md.row_group(i).num_rows // layers for i in range(md.num_row_groups)] == sizes
+        one, many = read_trace(tmp_path / "one.parquet"), read_trace(path)
+        np.testing.assert_array_equal(one[1].experts, many[1].experts)
+        np.testing.assert_array_equal(one[1].logits, many[1].logits)
+
+
 @pytest.mark.parametrize(("unit_tokens", "workers", "processes"),
                          [(7, 3, False), (64, 2, False), (1000, 1, False), (7, 3, True), (1000, 1, True)])
 def test_parallel_writer_writes_what_one_writer_writes(tmp_path, unit_tokens, workers, processes):

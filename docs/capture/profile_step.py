@@ -87,7 +87,7 @@ cols = dict(seq=np.repeat([w.seq for w in batch], lengths).astype(np.int32), pos
             phase=np.where(pos < 0, 0, 1).astype(np.int8), token_id=ids.reshape(-1)[slots_np].astype(np.int32),
             domain=np.repeat([w.domain for w in batch], lengths).astype(np.int16), **host)
 meta = C.build_meta(model, sites, name, domains, cfg, {}, False)
-unit = max(256, C.default_row_group_tokens(meta) // C.ROW_GROUP_FRACTION)
+unit = C.auto_unit_tokens(meta)  # 1/16 of the default row group, as when profiled
 res["unit_tokens"] = unit
 tmp = Path(tempfile.mkdtemp())
 one = {k: v[:unit] for k, v in cols.items()}

@@ -80,7 +80,7 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3) -> dict:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads in %."""
-    from traces.capture.capture import auto_unit_tokens, build_meta, capture_windows, open_writer
+    from traces.capture.capture import auto_unit_tokens, batch_tokens, build_meta, capture_windows, open_writer
     from traces.capture.hooks import router_returns_probabilities
 
     tokens = sum(len(w.tokens) for w in windows)
@@ -98,7 +98,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         start = time.perf_counter()
         meta = build_meta(model, sites, name, domains, cfg, {}, probs)
         with tempfile.TemporaryDirectory() as tmp:
-            with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer, cfg.unit_tokens) as w:
+            with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer, cfg.unit_tokens,
+                             batch_tokens(cfg)) as w:
                 opens.append(time.perf_counter() - start)
                 stats = capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
                                         logits_are_probs=probs)
@@ -112,7 +113,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
-    unit = cfg.unit_tokens or auto_unit_tokens(build_meta(model, sites, name, domains, cfg, {}, probs))
+    unit = cfg.unit_tokens or auto_unit_tokens(build_meta(model, sites, name, domains, cfg, {}, probs), batch_tokens(cfg))
     return {
         "logits": cfg.logits,
         "lookahead": _lookahead_label(cfg.lookahead),
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     for logits, writer, bs, unit in itertools.product(args.logits.split(","), args.writer.split(","),
                                                       (int(x) for x in args.batch_sizes.split(",")), units):
         cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, writer=writer,
-                      lookahead=lookahead, unit_tokens=unit)
+                      lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window))
         r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
         results["runs"].append(r)
         print(f"{name} logits={logits} writer={writer} unit {r['unit_tokens']} batch {bs}: forward {r['forward_tokens_per_s']} tok/s, "

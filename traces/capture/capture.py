@@ -53,12 +53,13 @@ from traces.format import (
 )
 
 MODES = ("teacher_forced", "generate")
-# capture row groups are half the format's default (~8 MiB of stored rows). Each unit costs the
-# capture's process about a millisecond of Python beside the GPU's work (handing it to an encoder,
-# appending it), so a fast model's units must be large: the fixture at batch 16 (0.5 M tokens/s)
-# captured at +67 % over the forward with 1/16 of the default, at +21 % with 8,192-token units
-# (docs/capture/bench_1202e_*.json)
-ROW_GROUP_FRACTION = 2
+# The writer's units (row groups) when not set: one forward's tokens, between 1/16 and 1/2 of the
+# format's default row group (~1 to ~8 MiB of stored rows). Each unit costs the capturing process
+# about a millisecond of Python beside the GPU's work (handing it to an encoder, appending it), so
+# a fast model's units must be large: the fixture at batch 16 (0.5 M tokens/s) captured at +55 %
+# over the forward with 1/16 of the default, +34 % with 1/2 (docs/capture/bench_1202e_*.json).
+# Larger units lengthen the close (the last units are encoded after the last forward).
+UNIT_FRACTIONS = (16, 2)
 # While capturing, the GIL changes hands at least this often: the encoder threads need it briefly
 # between pyarrow calls, and a loop busy launching a small model's kernels would otherwise keep
 # each of them waiting up to Python's default 5 ms (on 2 cores, a busy Python loop beside the
@@ -443,23 +444,32 @@ def _progress(enabled: bool | None, total: int):
 
 
 def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer: str = "processes",
-                unit_tokens: int = 0) -> ParallelTraceWriter:
+                unit_tokens: int = 0, batch_tokens: int = 0) -> ParallelTraceWriter:
     """The capture's trace writer: row groups smaller than the format's default, encoded in parallel.
 
     Small row groups are encoded on the writer threads while the GPU runs the next batches; with
     the default (one row group per ~16 MiB) much of a short capture's writing would happen at the
     end, after the last forward. ``workers`` None or 0: :func:`~traces.capture.writer.default_workers`;
     ``writer``: encoders in child ``processes`` or in ``threads`` of this process; ``unit_tokens``:
-    tokens per row group, 0: :func:`auto_unit_tokens`.
+    tokens per row group, 0: :func:`auto_unit_tokens` of ``batch_tokens`` (one forward's).
     """
-    unit = unit_tokens or auto_unit_tokens(meta)
+    unit = unit_tokens or auto_unit_tokens(meta, batch_tokens)
     return ParallelTraceWriter(path, meta, unit_tokens=unit, workers=workers or None, processes=writer == "processes")
 
 
-def auto_unit_tokens(meta: TraceMeta) -> int:
-    """The writer's tokens per row group when not set: 1/ROW_GROUP_FRACTION of the format's
-    default, at least 256."""
-    return max(256, default_row_group_tokens(meta) // ROW_GROUP_FRACTION)
+def auto_unit_tokens(meta: TraceMeta, batch_tokens: int = 0) -> int:
+    """The writer's tokens per row group when not set: ``batch_tokens`` (one forward's tokens)
+    within :data:`UNIT_FRACTIONS` of the format's default row group, at least 256."""
+    rows = default_row_group_tokens(meta)
+    low = max(256, rows // UNIT_FRACTIONS[0])
+    return min(max(low, rows // UNIT_FRACTIONS[1]), max(low, batch_tokens))
+
+
+def batch_tokens(cfg: CaptureConfig) -> int:
+    """The tokens one forward of ``cfg`` records at most (a batch of windows or of sequences)."""
+    if cfg.mode == "generate":
+        return cfg.batch_size * (cfg.generate.prompt_tokens + cfg.generate.new_tokens)
+    return cfg.batch_size * cfg.input.window_tokens
 
 
 def check_config(cfg: CaptureConfig) -> None:
@@ -472,7 +482,7 @@ def check_config(cfg: CaptureConfig) -> None:
     if cfg.writers < 0:
         raise InputError(f"writers={cfg.writers} must be >= 0 (0: half the CPU cores)")
     if cfg.unit_tokens < 0:
-        raise InputError(f"unit_tokens={cfg.unit_tokens} must be >= 0 (0: about 8 MiB of rows per row group)")
+        raise InputError(f"unit_tokens={cfg.unit_tokens} must be >= 0 (0: one forward's tokens, within 1 to 8 MiB of rows)")
     if cfg.writer not in WRITERS:
         raise InputError(f"writer={cfg.writer} is not valid; choose one of: {', '.join(WRITERS)}")
     if cfg.prefill_tokens < 0:
@@ -564,7 +574,7 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
         out.parent.mkdir(parents=True)
     remove_orphans(out.parent)  # unit files of a capture that was killed
     start = time.perf_counter()
-    with open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens) as writer, _progress(cfg.progress, total) as bar:
+    with open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg)) as writer, _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
                                 probs)
     seconds = time.perf_counter() - start  # end to end: the last units encoded and joined too

@@ -68,7 +68,7 @@ class CaptureConfig:
     writers: int = 0  # encoders of the trace's row groups, in parallel; 0 = half the CPU cores, at most 8
     # processes (encoders in child processes: the model's thread keeps the GIL) | threads (in this process)
     writer: str = "processes"
-    # tokens per row group the writer encodes at a time; 0 = auto (~8 MiB of stored rows, at least 256)
+    # tokens per row group the writer encodes at a time; 0 = auto (one forward's tokens, within ~1 to ~8 MiB of rows)
     unit_tokens: int = 0
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal

@@ -48,6 +48,7 @@ from traces.errors import InputError
 from traces.format import ContentHash, TraceMeta, TraceWriter
 
 MAX_AUTO_WORKERS = 8
+FINAL_UNIT_TOKENS = 256  # the units left at the close are split among the encoders down to this size
 
 
 def default_workers() -> int:
@@ -387,8 +388,10 @@ class ParallelTraceWriter:
             name: np.concatenate([c[name] for c in self._pending]) for name in self._pending[0]}
         n = pending["seq"].shape[0]
         whole = n if final else n - n % self.unit_tokens
-        for start in range(0, whole, self.unit_tokens):
-            unit = {name: v[start:start + self.unit_tokens] for name, v in pending.items()}
+        # the close waits for the last units: cut them smaller, one per encoder (not below 256 tokens)
+        size = min(self.unit_tokens, max(-(-n // self.workers), FINAL_UNIT_TOKENS)) if final else self.unit_tokens
+        for start in range(0, whole, size):
+            unit = {name: v[start:start + size] for name, v in pending.items()}
             self._units.put((self._queued, self._last_queued, unit))  # each unit checks it follows the last
             self._last_queued = (int(unit["seq"][-1]), int(unit["pos"][-1]))
             self._queued += 1
