@@ -56,9 +56,10 @@ MODES = ("teacher_forced", "generate")
 # The writer's units (row groups) when not set: one forward's tokens, between 1/16 and 1/2 of the
 # format's default row group (~1 to ~8 MiB of stored rows). Each unit costs the capturing process
 # about a millisecond of Python beside the GPU's work (handing it to an encoder, appending it), so
-# a fast model's units must be large: the fixture at batch 16 (0.5 M tokens/s) captured at +55 %
-# over the forward with 1/16 of the default, +34 % with 1/2 (docs/capture/bench_1202e_*.json).
-# Larger units lengthen the close (the last units are encoded after the last forward).
+# a fast model's units must be large: the fixture at batch 16 (0.5 M tokens/s) captured at +35 %
+# over the forward with 1/16 of the default, +3 % with one forward of 8,192 tokens
+# (docs/capture/bench_1202g_fix_b16.json). Larger units lengthen the close (the last units are
+# encoded after the last forward; the writer splits them among its encoders).
 UNIT_FRACTIONS = (16, 2)
 # While capturing, the GIL changes hands at least this often: the encoder threads need it briefly
 # between pyarrow calls, and a loop busy launching a small model's kernels would otherwise keep
