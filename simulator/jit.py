@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numba
+from numba.extending import intrinsic
 
 JIT_FLAGS = {
     "cache": True,
@@ -93,3 +94,27 @@ def _prune_stale(kernel, prefix: str, current: str) -> None:
 
 # taken when the engine is imported: the sources its kernels are compiled from in this process
 SOURCES_FINGERPRINT = sources_fingerprint()
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask the CPU to start loading the cache line that holds ``array.flat[index]`` (C-contiguous)
+    now, for a read soon after; changes no value (a prefetch never faults, even out of range)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.core import types as nbtypes
+
+    if not isinstance(array, nbtypes.Array) or not isinstance(index, nbtypes.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte_ptr = ir.IntType(8).as_pointer()
+        address = builder.bitcast(builder.gep(data, [args[1]]), byte_ptr)
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [address, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+        return context.get_dummy_value()
+
+    return nbtypes.void(array, index), codegen

@@ -173,3 +173,39 @@ def test_runs_from_the_trace_cache_walk_and_give_what_the_parquet_pass_gives(tmp
         assert read_options(p, reader)["order_r"] == 0
         assert_same(simulate(reader, p), simulate(cached, p))
     assert any(cached.directory.glob("candidate_order_2.npy"))  # kept for the next run
+
+
+def test_the_mass_histogram_counted_in_batches_equals_the_references():
+    """More substituting decode steps in one chunk than the kernel buffers before it bins them
+    (state.MASS_BUFFER): the histogram and the per-token masses still equal the reference's."""
+    from engine_cases import params, trace
+
+    from simulator.engine.state import MASS_BUFFER
+
+    rng = np.random.default_rng(7)
+    T, L, k, E = 700, 8, 2, 8
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T * L)]).reshape(T, L, k)
+    gates = rng.dirichlet([1.0] * k, size=(T, L))
+    logits = rng.normal(size=(T, L, E)).astype(np.float32)
+    source = trace(experts, gates, logits, num_experts=E)
+    p = params(source.meta, budget_experts=4, rule="substitute_all")
+    fast = run_both(source, p, chunk_tokens=T)  # one chunk
+    assert (fast.mass_hist[1:].sum() > MASS_BUFFER) and fast.mass_hist[1:].sum() + fast.mass_hist[0] == T * L
+
+
+def test_prefetch_emits_a_prefetch_and_changes_no_value():
+    """simulator.jit.prefetch (the top-R walk starts loading the next steps' order rows with it)
+    compiles to the CPU's prefetch instruction, also past the array's end, and reads nothing."""
+    import numba
+
+    from simulator.jit import prefetch
+
+    @numba.njit
+    def walk(order, row):
+        prefetch(order, row + order.shape[2])
+        prefetch(order, order.size + 1000)  # out of range: a prefetch never faults
+        return order[0, 0, 0]
+
+    order = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    assert walk(order, 0) == 0
+    assert "prefetch" in walk.inspect_asm(walk.signatures[0])

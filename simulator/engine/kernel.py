@@ -26,6 +26,7 @@ from simulator.engine.state import (
     MASS_STEPS,
     PREFETCH,
     STAMP,
+    bin_masses,
     drop,
     kernel_array,
     list_resident,
@@ -38,7 +39,6 @@ from simulator.engine.state import (
 )
 from simulator.jit import specialise
 from simulator.metrics import (
-    MASS_BINS,
     TOKEN,
     TOKEN_IDS,
     LayerCount,
@@ -131,6 +131,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
     # state) and are stored back at its end
     clock_us = core.fstate[CLOCK]
     stamp = core.istate[STAMP]
+    n_mass = 0  # step masses buffered in core.mass_buf
     a = 0
     while a < T:
         g = group[a]
@@ -270,7 +271,11 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     lc[layer, LayerCount.CPU_CALLS] += cpu_calls
                 if m > 0.0:
                     lsum[layer, LayerSum.MASS] += m
-                    core.mass_hist[min(np.int64(m * MASS_BINS), MASS_BINS)] += 1
+                    core.mass_buf[n_mass] = m  # binned in batches (state.MASS_BUFFER)
+                    n_mass += 1
+                    if n_mass == core.mass_buf.shape[0]:
+                        bin_masses(core.mass_hist, core.mass_buf, n_mass)
+                        n_mass = 0
                     core.istate[MASS_STEPS] += 1
                 group_mass += m
                 group_substitutions += substitutions
@@ -317,6 +322,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             out.substitutions[t] = group_substitutions
             out.cpu_calls[t] = group_cpu_calls
         a = b
+    bin_masses(core.mass_hist, core.mass_buf, n_mass)
     core.fstate[CLOCK] = clock_us
     core.istate[STAMP] = stamp
 

@@ -12,6 +12,8 @@ walk and scan give the same expert at every ``top_r``; ``top_r=0`` always scans.
 meets a selected expert, so the variant needs neither the step's selections marked before its
 lookups nor the layers' resident lists: the scan, which is rare at the default ``top_r``, marks
 the step's selections itself (as the marking pass would have) and tests residency per expert.
+A step's first walk asks the CPU to load the next two steps' order rows (:func:`simulator.jit.prefetch`):
+the rows are read once each, in trace order, and waiting for them was most of the walk's cost.
 
 Logits may come as stored, float16 (``chunk.logit_bits``: the kernel reads no other logit than
 the walk's order): the exact scan then converts the token-layer's row once, through a lookup
@@ -24,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.jit import jit
+from simulator.jit import jit, prefetch
 from simulator.policies.substitute._rank import best_scored, rank_layer, take_next
 
 NEEDS_LOGITS = True
@@ -69,6 +71,11 @@ def choose(core, st, c, chunk, a, layer, want, stamp, n_cand, next_cand):
     if n_cand < 0 and order.shape[0] > 0:  # walking the top R: next_cand is the position
         base = layer * c.num_experts
         j = next_cand
+        if j == 0:  # the step's first substitute: start loading the next steps' rows
+            R = order.shape[2]
+            row = (a * order.shape[1] + layer) * R
+            prefetch(order, row + R)
+            prefetch(order, row + 2 * R)
         while j < order.shape[2]:
             y = base + order[a, layer, j]
             j += 1
