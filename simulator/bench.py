@@ -99,10 +99,16 @@ NOTES = """\
 - **Substitution and LFU against fetch_all + LRU.** The three shares fall as fetch_all + LRU
   gets faster (at kernel commit abe017a they were met, at 43 M lookups/s for fetch_all + LRU).
   What a substituting policy pays beyond a lookup: the gate and the miss rule per miss, the
-  top-R walk (its order rows are read fresh every step) and a substitute's use; quality_first
-  and fetch_all + LFU pay the frequency order, an indexed heap per pool with lazily refreshed
-  keys (about 1.3 sift-downs per eviction), which frequency buckets would remove only without
-  decay (`cache.lfu_decay` makes frequencies non-integers). Not built.
+  top-R walk and a substitute's use. The walk's order rows are read once each, in trace order:
+  a step's first walk prefetches the next two steps' rows, and the 800 KB mass histogram is
+  counted in batches of 4,096 steps (both were stalls on memory; together rule015 + LRU 0.58x
+  -> 0.64-0.66x, quality_first 0.28-0.30x -> 0.33-0.35x side by side, and 0.34-0.42x across
+  two bench runs). quality_first and fetch_all + LFU pay the frequency order: an indexed heap
+  per pool with lazily refreshed keys, and recent admissions held out of it (91 % of fetch_all
+  + LFU's victims at Qwen3-Next, sorted at each trim: about a fifth of its kernel time). The
+  costs are spread over the selection pass, the held sort and the heap (perf); frequency
+  buckets would replace them only without decay (`cache.lfu_decay` makes frequencies
+  non-integers). Not built.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest (belady:
   a heap keyed by next use, re-keyed at every selection; LFU policies), not where the reference
   is fastest; fetch_all + LRU is {fa_ref}.
