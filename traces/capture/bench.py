@@ -80,7 +80,7 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3) -> dict:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads in %."""
-    from traces.capture.capture import auto_unit_tokens, batch_tokens, build_meta, capture_windows, open_writer
+    from traces.capture.capture import batch_tokens, build_meta, capture_windows, open_writer
     from traces.capture.hooks import router_returns_probabilities
 
     tokens = sum(len(w.tokens) for w in windows)
@@ -91,6 +91,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
 
     closes: list[float] = []  # per capture pass: the loop's end to the file closed
     opens: list[float] = []  # per capture pass: the start to the writer open (its fixed cost)
+    units: list[int] = []  # the writer's tokens per row group
 
     def capture() -> Timed:
         """Timed from the start to the file closed: removing the file after it (a 131,072-token
@@ -101,6 +102,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
             with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer, cfg.unit_tokens,
                              batch_tokens(cfg)) as w:
                 opens.append(time.perf_counter() - start)
+                units.append(w.unit_tokens)
                 stats = capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
                                         logits_are_probs=probs)
                 end = time.perf_counter()
@@ -113,14 +115,13 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
-    unit = cfg.unit_tokens or auto_unit_tokens(build_meta(model, sites, name, domains, cfg, {}, probs), batch_tokens(cfg))
     return {
         "logits": cfg.logits,
         "lookahead": _lookahead_label(cfg.lookahead),
         "batch_size": cfg.batch_size,
         "writers": _workers(cfg),
         "writer": cfg.writer,
-        "unit_tokens": unit,
+        "unit_tokens": units[-1],
         "tokens": tokens,
         "forward_tokens_per_s": round(tokens / t_fwd),
         "hooks_tokens_per_s": round(tokens / t_hooks),

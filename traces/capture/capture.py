@@ -448,9 +448,10 @@ def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer:
                 unit_tokens: int = 0, batch_tokens: int = 0) -> ParallelTraceWriter:
     """The capture's trace writer: row groups smaller than the format's default, encoded in parallel.
 
-    Small row groups are encoded on the writer threads while the GPU runs the next batches; with
+    Row groups are encoded by the writer's encoders while the GPU runs the next batches; with
     the default (one row group per ~16 MiB) much of a short capture's writing would happen at the
-    end, after the last forward. ``workers`` None or 0: :func:`~traces.capture.writer.default_workers`;
+    end, after the last forward, and with very small ones a fast model pays each unit's handling
+    hundreds of times a second (:data:`UNIT_FRACTIONS`). ``workers`` None or 0: :func:`~traces.capture.writer.default_workers`;
     ``writer``: encoders in child ``processes`` or in ``threads`` of this process; ``unit_tokens``:
     tokens per row group, 0: :func:`auto_unit_tokens` of ``batch_tokens`` (one forward's).
     """

@@ -388,7 +388,7 @@ class ParallelTraceWriter:
             name: np.concatenate([c[name] for c in self._pending]) for name in self._pending[0]}
         n = pending["seq"].shape[0]
         whole = n if final else n - n % self.unit_tokens
-        # the close waits for the last units: cut them smaller, one per encoder (not below 256 tokens)
+        # the close waits for the last units: cut them smaller, one per encoder (down to FINAL_UNIT_TOKENS)
         size = min(self.unit_tokens, max(-(-n // self.workers), FINAL_UNIT_TOKENS)) if final else self.unit_tokens
         for start in range(0, whole, size):
             unit = {name: v[start:start + size] for name, v in pending.items()}
