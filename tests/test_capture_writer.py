@@ -58,6 +58,24 @@ def test_the_units_left_at_the_close_are_split_among_the_encoders(tmp_path, monk
         np.testing.assert_array_equal(one[1].logits, many[1].logits)
 
 
+def test_units_are_cut_as_views_of_the_written_blocks():
+    """The capturing thread copies nothing: a unit is views of the blocks it spans, in order (the
+    encoder copies them into its block), and the blocks left start where the unit ended."""
+    from traces.capture.writer import _cut, _joined
+
+    _, cols = trace_columns()
+    written = blocks(cols, [3, 50, 51, 200])
+    pieces, rest, offset = _cut(written, 0, 2)  # inside the first block
+    assert len(pieces) == 1 and np.shares_memory(pieces[0]["logits"], written[0]["logits"])
+    assert (rest, offset) == (written, 2)
+    pieces, rest, offset = _cut(rest, offset, 60)  # tokens 2..61: across three blocks
+    assert [p["seq"].shape[0] for p in pieces] == [1, 47, 1, 11]
+    assert all(np.shares_memory(p["experts"], w["experts"]) for p, w in zip(pieces, written, strict=False))
+    assert len(rest) == 2 and offset == 11 and rest[0] is written[3]
+    for name, v in _joined(pieces).items():
+        np.testing.assert_array_equal(v, cols[name][2:62], err_msg=name)
+
+
 @pytest.mark.parametrize(("unit_tokens", "workers", "processes"),
                          [(7, 3, False), (64, 2, False), (1000, 1, False), (7, 3, True), (1000, 1, True)])
 def test_parallel_writer_writes_what_one_writer_writes(tmp_path, unit_tokens, workers, processes):
