@@ -105,10 +105,15 @@ NOTES = """\
   -> 0.64-0.66x, quality_first 0.28-0.30x -> 0.33-0.35x side by side, and 0.34-0.42x across
   two bench runs). quality_first and fetch_all + LFU pay the frequency order: an indexed heap
   per pool with lazily refreshed keys, and recent admissions held out of it (91 % of fetch_all
-  + LFU's victims at Qwen3-Next, sorted at each trim: about a fifth of its kernel time). The
-  costs are spread over the selection pass, the held sort and the heap (perf); frequency
-  buckets would replace them only without decay (`cache.lfu_decay` makes frequencies
-  non-integers). Not built.
+  + LFU's victims at Qwen3-Next, sorted at each trim). Side by side (Qwen3-Next shape, 4,096
+  tokens): LFU's selection pass with LRU's order runs at 0.88x fetch_all + LRU, so the gap is
+  the order, and the trim is about 60 % of fetch_all + LFU's kernel samples (perf). Of that,
+  the held sort's loads cost, not its comparisons (dropping them gained nothing), and checking
+  each held victim against the heap's top, with the stale-top refreshes this sets off, is about
+  a sixth of the kernel. A sorted list per pool with lazily refreshed keys (short walks instead
+  of sifts) matched the reference on every test and was slower (fetch_all + LFU 56-64 -> 61-63
+  ms, rule015 + LFU 38 -> 49 ms): dropped. Frequency buckets would work only without decay
+  (`cache.lfu_decay` makes frequencies non-integers). Not built.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest (belady:
   a heap keyed by next use, re-keyed at every selection; LFU policies), not where the reference
   is fastest; fetch_all + LRU is {fa_ref}.
