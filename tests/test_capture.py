@@ -597,6 +597,32 @@ def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, fla
     assert stop.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_bench_rounds_count_the_cpu_of_the_calling_thread_apart_from_the_others():
+    """The CPU a pass costs the thread that drives the model is told apart from what the
+    process's other threads (the drain, the writer's) spend beside it."""
+    import threading
+    import time
+
+    from traces.capture.bench import _timed_rounds
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def busy_here():
+        spin(0.05)
+
+    def busy_elsewhere():
+        t = threading.Thread(target=spin, args=(0.05,))
+        t.start()
+        t.join()
+
+    *_, cpu = _timed_rounds({"here": busy_here, "elsewhere": busy_elsewhere}, repeats=3)
+    assert cpu["here"]["main_thread"] >= 0.045 and cpu["here"]["other_threads"] < 0.02
+    assert cpu["elsewhere"]["main_thread"] < 0.02 and cpu["elsewhere"]["other_threads"] >= 0.045
+
+
 def test_bench_rounds_time_a_self_timed_pass_by_its_own_measure():
     """A capture pass says how long it took up to its file closed: what comes after (removing
     the file) is left out of its time, while other passes are timed whole."""
@@ -615,7 +641,7 @@ def test_bench_rounds_time_a_self_timed_pass_by_its_own_measure():
         time.sleep(0.01)
         return "rows"
 
-    medians, last, rounds = _timed_rounds({"plain": plain, "capture": self_timed}, repeats=3)
+    medians, last, rounds, _ = _timed_rounds({"plain": plain, "capture": self_timed}, repeats=3)
     assert last == {"plain": "rows", "capture": "stats"} and len(calls) == 4  # warm-up + 3 rounds
     assert rounds["capture"] == [0.010, 0.015, 0.020] and len(rounds["plain"]) == 3
     assert medians["capture"] == 0.015  # the rounds' own measures 0.010, 0.015, 0.020

@@ -57,12 +57,14 @@ class Timed(NamedTuple):
     result: object
 
 
-def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict[str, list[float]]]:
+def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict[str, list[float]], dict]:
     """Median seconds of each of ``fns`` over ``repeats`` rounds (one call of each per round, in
     turn), after a warm-up call of each; and each function's last result. A function that returns
     :class:`Timed` is timed by it. Rounds, not one function's repeats back to back: a host whose
     speed drifts over the minutes of a run then moves every variant alike instead of showing up
-    as one variant's overhead. Third: each function's timed rounds in seconds (the drift)."""
+    as one variant's overhead. Third: each function's timed rounds in seconds (the drift).
+    Fourth: each function's median CPU seconds per call, of the calling thread (``main_thread``)
+    and of the process's other threads (``other_threads``)."""
     def call(fn) -> tuple[float, object]:
         start = time.perf_counter()
         out = fn()
@@ -70,11 +72,17 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 
     results = {name: call(fn)[1] for name, fn in fns.items()}  # warm-up: kernels, allocator, first writer
     times: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            process, thread = time.process_time(), time.thread_time()
             seconds, results[name] = call(fn)
             times[name].append(seconds)
-    return {name: statistics.median(t) for name, t in times.items()}, results, times
+            cpu[name].append((time.process_time() - process, time.thread_time() - thread))
+    cpu_s = {name: {"main_thread": round(statistics.median(c[1] for c in runs), 3),
+                    "other_threads": round(statistics.median(c[0] - c[1] for c in runs), 3)}
+             for name, runs in cpu.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, results, times, cpu_s
 
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
@@ -110,7 +118,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
             closes.append(closed - end)
         return Timed(closed - start, stats)
 
-    t, last, rounds = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks,
+    t, last, rounds, cpu = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks,
                              "capture": capture}, repeats)
     t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
@@ -135,6 +143,10 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "open_s": round(opened, 3),  # the start to the writer open (metadata, threads, encoders)
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
+        # CPU seconds of the measuring process per pass (medians): its main thread, which drives
+        # the model, and its other threads (the drain, the writer's; the encoder and joiner
+        # processes are not counted), which take the GIL from it while they run Python
+        "cpu_s": cpu,
     }
 
 
@@ -234,7 +246,9 @@ def main(argv: list[str] | None = None) -> None:
               f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
               f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %; "
               f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
-              f"writer open {r['open_s']:.3f} s)", flush=True)
+              f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads: "
+              + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f}" for k, v in r["cpu_s"].items()),
+              flush=True)
     if args.out:
         atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "
