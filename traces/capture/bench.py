@@ -88,7 +88,14 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3) -> dict:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads in %."""
-    from traces.capture.capture import batch_tokens, build_meta, capture_windows, open_writer
+    from traces.capture.capture import (
+        batch_tokens,
+        build_meta,
+        capture_windows,
+        open_writer,
+        pins_threads,
+    )
+    from traces.capture.cores import isolated
     from traces.capture.hooks import router_returns_probabilities
 
     tokens = sum(len(w.tokens) for w in windows)
@@ -118,8 +125,9 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
             closes.append(closed - end)
         return Timed(closed - start, stats)
 
-    t, last, rounds, cpu = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks,
-                             "capture": capture}, repeats)
+    with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all three passes alike
+        t, last, rounds, cpu = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size),
+                                              "hooks": hooks, "capture": capture}, repeats)
     t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
@@ -130,6 +138,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "writers": _workers(cfg),
         "writer": cfg.writer,
         "unit_tokens": units[-1],
+        "model_cpu": cpu_of_model,  # the CPU the model's thread was pinned to (pin_threads), or None
         "tokens": tokens,
         "forward_tokens_per_s": round(tokens / t_fwd),
         "hooks_tokens_per_s": round(tokens / t_hooks),
@@ -176,6 +185,8 @@ def overhead_table(bench: dict) -> list[str]:
         encoders = f"{r['writers']} {r.get('writer', 'threads')}" if "writers" in r else "1 thread"
         if "unit_tokens" in r:
             encoders += f", {r['unit_tokens']:,}-token units"
+        if r.get("model_cpu") is not None:
+            encoders += f", model's thread on CPU {r['model_cpu']}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
@@ -204,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"encoders in processes or threads, comma-separated (default: {defaults.writer})")
     p.add_argument("--unit-tokens", default="0",
                    help="tokens per row group the writer encodes at a time, comma-separated; 0: moe-capture's auto")
+    p.add_argument("--pin-threads", default="1" if defaults.pin_threads else "0",
+                   help="1: the model's thread on a CPU core of its own (moe-capture's pin_threads), 0: not; "
+                        "comma-separated to compare")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
@@ -220,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--unit-tokens {args.unit_tokens}: give whole numbers >= 0, comma-separated")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
+    pins = args.pin_threads.split(",")
+    if any(x not in ("0", "1") for x in pins):
+        p.error(f"--pin-threads {args.pin_threads}: give 1 or 0, comma-separated")
 
     import torch
 
@@ -236,13 +253,16 @@ def main(argv: list[str] | None = None) -> None:
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
-    for logits, writer, bs, unit in itertools.product(args.logits.split(","), args.writer.split(","),
-                                                      (int(x) for x in args.batch_sizes.split(",")), units):
+    for logits, writer, bs, unit, pin in itertools.product(args.logits.split(","), args.writer.split(","),
+                                                           (int(x) for x in args.batch_sizes.split(",")), units,
+                                                           pins):
         cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, writer=writer,
-                      lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window))
+                      lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window),
+                      pin_threads=pin == "1")
         r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
         results["runs"].append(r)
-        print(f"{name} logits={logits} writer={writer} unit {r['unit_tokens']} batch {bs}: forward {r['forward_tokens_per_s']} tok/s, "
+        print(f"{name} logits={logits} writer={writer} unit {r['unit_tokens']} batch {bs} model's CPU "
+              f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
               f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
               f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %; "
               f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "

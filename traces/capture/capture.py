@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from traces.atomic import remove_orphans
 from traces.capture.config import WRITERS, CaptureConfig
+from traces.capture.cores import isolated, leave_model_core
 from traces.capture.hooks import (
     Lookahead,
     RouterRecorder,
@@ -157,6 +158,7 @@ class _Drain:
         self._thread.start()
 
     def _run(self) -> None:
+        leave_model_core()
         while True:
             item = self._queue.get()
             if item is None:
@@ -459,6 +461,12 @@ def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer:
     return ParallelTraceWriter(path, meta, unit_tokens=unit, workers=workers or None, processes=writer == "processes")
 
 
+def pins_threads(cfg: CaptureConfig, device: torch.device) -> bool:
+    """Whether a capture gives the thread that drives the model a CPU core of its own
+    (``pin_threads``; on a GPU only: on the CPU the model's own threads need the cores)."""
+    return cfg.pin_threads and device.type == "cuda"
+
+
 def auto_unit_tokens(meta: TraceMeta, batch_tokens: int = 0) -> int:
     """The writer's tokens per row group when not set: ``batch_tokens`` (one forward's tokens)
     within :data:`UNIT_FRACTIONS` of the format's default row group, at least 256."""
@@ -576,7 +584,9 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
         out.parent.mkdir(parents=True)
     remove_orphans(out.parent)  # unit files of a capture that was killed
     start = time.perf_counter()
-    with open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg)) as writer, _progress(cfg.progress, total) as bar:
+    with isolated(pins_threads(cfg, model.device)), \
+            open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg)) as writer, \
+            _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
                                 probs)
     seconds = time.perf_counter() - start  # end to end: the last units encoded and joined too

@@ -44,6 +44,7 @@ import numpy as np
 
 from traces.atomic import temp_path
 from traces.capture.concat import ParquetJoin, read_footer
+from traces.capture.cores import leave_model_core
 from traces.errors import InputError
 from traces.format import ContentHash, TraceMeta, TraceWriter
 
@@ -108,6 +109,7 @@ class _Child:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen([sys.executable, "-m", "traces.capture.writer", self.role],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        leave_model_core(self.proc.pid)
 
     def send(self, request) -> None:
         try:
@@ -192,9 +194,11 @@ _IDLE_LOCK = threading.Lock()
 
 def _take(kind: type) -> _Child:
     with _IDLE_LOCK:
-        if _IDLE.get(kind):
-            return _IDLE[kind].pop()
-    return kind()
+        child = _IDLE[kind].pop() if _IDLE.get(kind) else None
+    if child is None:
+        return kind()
+    leave_model_core(child.proc.pid)  # started before the model's thread had a core of its own
+    return child
 
 
 def _give_back(child: _Child) -> None:
@@ -433,6 +437,7 @@ class ParallelTraceWriter:
         self._pending_tokens = n - whole
 
     def _encode(self) -> None:
+        leave_model_core()
         encoder = None
         try:
             encoder = _take(_Encoder) if self._processes else None
@@ -486,6 +491,7 @@ class ParallelTraceWriter:
 
     def _read_replies(self, joiner: _Joiner) -> None:
         """The joiner's answers, one per request, until the one to "end"; the first error is kept."""
+        leave_model_core()
         while (request := self._sent.get()) is not None:
             try:
                 joiner.reply()
