@@ -71,7 +71,8 @@ class CaptureConfig:
     # tokens per row group the writer encodes at a time; 0 = auto (one forward's tokens, within ~1 to ~8 MiB of rows)
     unit_tokens: int = 0
     # on a GPU host with >= 4 CPUs: the thread that drives the model on a CPU core of its own, the
-    # writer's threads and processes on the others (traces.capture.cores)
-    pin_threads: bool = True
+    # writer's threads and processes on the others (traces.capture.cores). Off by default: a model
+    # with layers offloaded to the CPU would run them on that one core
+    pin_threads: bool = False
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal

@@ -1,16 +1,19 @@
-"""A CPU core of its own for the thread that drives the model.
+"""A CPU core of its own for the thread that drives the model (``moe-capture pin_threads=true``).
 
 A small model's forward on the GPU is bound by the one Python thread that launches its kernels.
 Beside the trace writer (Parquet encoding in eight child processes, the units' copies into shared
-memory, the joiner), that thread spent 20 % more CPU on the same work on the H200 host (16 CPUs;
-small Qwen3-Next shape at batch 16: 2.08 s per pass with recording alone, 2.50 s with the writer;
-`docs/capture/bench_1202k_next_b16.json`), though the loop never waited for the writer and the
-writer's own Python is small: other work ran on its core or the core's other hardware thread.
+memory, the joiner), that thread spent more CPU on the same work on the H200 host (16 CPUs, one
+thread per core; small Qwen3-Next shape at batch 16, 524,288 tokens per pass: 1.95 s per pass
+with recording alone, 2.24 s with the writer), though the loop never waited for the writer.
+Pinned, it spent 2.12 s and the capture ran 28.9 % behind the forward instead of 34.4 %, side by
+side in one run (`docs/capture/bench_1202l_next_b16.json`); at batch 1 12.9 -> 11.4 %, within
+the noise. The rest of that cost is not the core: the host's caches and memory are shared.
 
 :func:`isolated` pins the calling thread to one CPU for a block, and every thread and child
 process of the capture that calls :func:`leave_model_core` (the drain, the writer's threads, its
 encoder and joiner processes) to the other CPUs, that core's hardware siblings excluded. Only
-where at least ``MIN_CPUS`` CPUs are allowed, on Linux; a no-op elsewhere.
+where at least ``MIN_CPUS`` CPUs are allowed, on Linux; a no-op elsewhere. Off by default: a
+model with layers offloaded to the CPU would run them on the one core.
 """
 from __future__ import annotations
 
