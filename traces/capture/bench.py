@@ -153,8 +153,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
         # CPU seconds of the measuring process per pass (medians): its main thread, which drives
-        # the model, and its other threads (the drain, the writer's; the encoder and joiner
-        # processes are not counted), which take the GIL from it while they run Python
+        # the model, and its other threads (the drain, the writer's: mostly copying rows into
+        # shared memory; the encoder and joiner processes are not counted)
         "cpu_s": cpu,
     }
 

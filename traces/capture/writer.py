@@ -164,11 +164,7 @@ class _Encoder(_Child):
             self._free_block()
             self.block = _Shared(size)
         for name, view in _views(self.block.map, layout).items():
-            a = 0
-            for p in pieces:
-                b = a + p[name].shape[0]
-                view[a:b] = p[name]
-                a = b
+            np.concatenate([p[name] for p in pieces], out=view)
         self.send((self.block.path, self.block.size, layout, part, meta, unit_tokens, after))
         return self.reply()
 
