@@ -112,8 +112,13 @@ NOTES = """\
   each held victim against the heap's top, with the stale-top refreshes this sets off, is about
   a sixth of the kernel. A sorted list per pool with lazily refreshed keys (short walks instead
   of sifts) matched the reference on every test and was slower (fetch_all + LFU 56-64 -> 61-63
-  ms, rule015 + LFU 38 -> 49 ms): dropped. Frequency buckets would work only without decay
-  (`cache.lfu_decay` makes frequencies non-integers). Not built.
+  ms, rule015 + LFU 38 -> 49 ms): dropped. Frequency buckets (for the undecayed default,
+  `cache.lfu_decay` 1: a used resident moves to the next count's bucket, or its bucket of one
+  takes the new count in place; O(1) per use) kept the reference's residents group by group
+  (the structure tests) and the heap's hits, and were slower side by side (4,096 tokens, 7
+  rounds, medians): fetch_all + LFU 85 -> 110 ms, quality_first 82 -> 138 ms, rule015 + LFU
+  57 -> 106 ms. With lazy keys a hit is one store; a bucket is moved at 46 % of the uses (a
+  remove and an insert): dropped.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest (belady:
   a heap keyed by next use, re-keyed at every selection; LFU policies), not where the reference
   is fastest; fetch_all + LRU is {fa_ref}.
