@@ -264,6 +264,48 @@ def test_top_r_capture_stores_the_models_highest_logits(tmp_path):
             assert (np.where(kept, -np.inf, logits).max(-1) <= lowest_kept + 1e-3).all()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_device_top_r_selection_equals_the_formats(seed):
+    """The capture's top-R (float16 scores, on the device) picks and orders exactly as the
+    format's numpy definition: ties to the lower id, -0.0 equal to 0.0, selected experts kept
+    even below the R highest, a selected expert's +inf score tied with a real +inf."""
+    from traces.capture.capture import top_r_logits
+    from traces.format import TraceMeta, _stored_logits
+
+    rng = np.random.default_rng(seed)
+    E = int(rng.choice([8, 64, 512]))
+    k = int(rng.integers(1, 9))
+    r = int(rng.integers(k, E + 1))
+    n, L = 37, 3
+    tied = np.array([-np.inf, -3.5, -1.0, -0.0, 0.0, 6e-8, 0.5, 2.25, 65504, np.inf], np.float16)
+    logits = (tied[rng.integers(0, len(tied), (n, L, E))] if seed % 2
+              else rng.normal(size=(n, L, E)).astype(np.float16))
+    experts = np.argsort(rng.random((n, L, E)), axis=-1)[..., :k]  # not the highest: kept anyway
+    meta = TraceMeta.__new__(TraceMeta)
+    meta.logits_top_r = r
+    want = _stored_logits(meta, logits, experts)
+    values, ids = top_r_logits(torch.from_numpy(logits), torch.from_numpy(experts), r)
+    np.testing.assert_array_equal(ids.numpy(), want["logit_ids"])
+    np.testing.assert_array_equal(values.numpy().view(np.uint16), want["logits"].view(np.uint16))
+
+
+def test_top_r_cost_compares_the_capture_selection_with_the_float32_yardstick(monkeypatch):
+    from traces.capture import top_r_cost
+    from traces.capture.capture import top_r_logits
+
+    shape = ("tiny", 64, 2, 16, 3, 5)
+    fig = top_r_cost.measure("cpu", repeats=2, shapes=(shape,))
+    (row,) = fig["shapes"]
+    assert row["equal"] and row["format_equal"] and row["float16_ms"] > 0 and row["float32_ms"] > 0
+    # a float16 selection that differs from the yardstick's and the format's is reported as such
+    def flipped(logits, experts, r, score_dtype=torch.float16):
+        return top_r_logits(logits.flip(-1) if score_dtype == torch.float16 else logits, experts, r, score_dtype)
+
+    monkeypatch.setattr(top_r_cost, "top_r_logits", flipped)
+    (row,) = top_r_cost.measure("cpu", repeats=1, shapes=(shape,))["shapes"]
+    assert not row["equal"] and not row["format_equal"]
+
+
 def test_logits_storage_values():
     assert parse_logits_storage("full") == ("full", None)
     assert parse_logits_storage("top:8") == ("top", 8)
