@@ -118,7 +118,10 @@ NOTES = """\
   (the structure tests) and the heap's hits, and were slower side by side (4,096 tokens, 7
   rounds, medians): fetch_all + LFU 85 -> 110 ms, quality_first 82 -> 138 ms, rule015 + LFU
   57 -> 106 ms. With lazy keys a hit is one store; a bucket is moved at 46 % of the uses (a
-  remove and an insert): dropped.
+  remove and an insert). Buckets with lazily stored keys (a use records its step; a trim moves
+  the residents it meets whose keys rose) gave the heap's hits at about its speed: fetch_all +
+  LFU 63 -> 66 ms, quality_first 66 -> 68 ms, rule015 + LFU 44 -> 47 ms (9 rounds). Both
+  dropped: the order's cost is the same work in another place.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest (belady:
   a heap keyed by next use, re-keyed at every selection; LFU policies), not where the reference
   is fastest; fetch_all + LRU is {fa_ref}.
