@@ -265,7 +265,7 @@ def test_top_r_capture_stores_the_models_highest_logits(tmp_path):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_device_top_r_selection_equals_the_formats(seed):
+def test_capture_top_r_selection_equals_the_formats(seed):
     """The capture's top-R (float16 scores, on the device) picks and orders exactly as the
     format's numpy definition: ties to the lower id, -0.0 equal to 0.0, selected experts kept
     even below the R highest, a selected expert's +inf score tied with a real +inf."""
@@ -304,6 +304,15 @@ def test_top_r_cost_compares_the_capture_selection_with_the_float32_yardstick(mo
     monkeypatch.setattr(top_r_cost, "top_r_logits", flipped)
     (row,) = top_r_cost.measure("cpu", repeats=1, shapes=(shape,))["shapes"]
     assert not row["equal"] and not row["format_equal"]
+
+
+def test_top_r_cost_refuses_a_missing_cuda_device_in_one_line(capsys, monkeypatch):
+    from traces.capture import top_r_cost
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        top_r_cost.main(["--device", "cuda"])
+    assert exc.value.code == 2 and "--device cuda" in capsys.readouterr().err
 
 
 def test_logits_storage_values():

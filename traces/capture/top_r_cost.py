@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from traces.atomic import atomic_write_text
 from traces.capture.capture import top_r_logits
 from traces.format import TraceMeta, _stored_logits
 
@@ -94,11 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
+    if args.device not in ("auto", "cuda", "cpu"):
+        ap.error(f"--device {args.device}: choose auto, cuda or cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this torch sees no CUDA device; use --device cpu or auto")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: calls must be at least 1")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     fig = measure(device, args.repeats)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(fig, f, indent=1)
+        atomic_write_text(args.out, json.dumps(fig, indent=1) + "\n")
 
 
 if __name__ == "__main__":
