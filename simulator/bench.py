@@ -103,25 +103,29 @@ NOTES = """\
   a step's first walk prefetches the next two steps' rows, and the 800 KB mass histogram is
   counted in batches of 4,096 steps (both were stalls on memory; together rule015 + LRU 0.58x
   -> 0.64-0.66x, quality_first 0.28-0.30x -> 0.33-0.35x side by side, and 0.34-0.42x across
-  two bench runs). quality_first and fetch_all + LFU pay the frequency order: an indexed heap
-  per pool with lazily refreshed keys, and recent admissions held out of it (91 % of fetch_all
-  + LFU's victims at Qwen3-Next, sorted at each trim). Side by side (Qwen3-Next shape, 4,096
-  tokens): LFU's selection pass with LRU's order runs at 0.88x fetch_all + LRU, so the gap is
-  the order, and the trim is about 60 % of fetch_all + LFU's kernel samples (perf). Of that,
-  the held sort's loads cost, not its comparisons (dropping them gained nothing), and checking
-  each held victim against the heap's top, with the stale-top refreshes this sets off, is about
-  a sixth of the kernel. A sorted list per pool with lazily refreshed keys (short walks instead
-  of sifts) matched the reference on every test and was slower (fetch_all + LFU 56-64 -> 61-63
-  ms, rule015 + LFU 38 -> 49 ms): dropped. Frequency buckets (for the undecayed default,
+  two bench runs). Of what is left, the walk is not the cost: it looks at 1.67 candidates per
+  substitution. The mass histogram is part of it: with 1,000 bins instead of 100,000 (one process,
+  21 rounds) rule015 + LRU went 0.645 -> 0.686x, with 10,000 0.657x; its resolution is the
+  results' (mass percentiles), so it stays. quality_first and fetch_all + LFU pay the frequency
+  order: an indexed heap per pool with lazily refreshed keys, and recent admissions held out of it
+  (91 % of fetch_all + LFU's victims at Qwen3-Next, sorted at each trim). Side by side (Qwen3-Next
+  shape, 4,096 tokens): LFU's selection pass with LRU's order runs at 0.88x fetch_all + LRU, so
+  the gap is the order, and the trim is about 60 % of fetch_all + LFU's kernel samples (perf). Of
+  that, the held sort's loads cost, not its comparisons (dropping them gained nothing), and
+  checking each held victim against the heap's top, with the stale-top refreshes this sets off, is
+  about a sixth of the kernel. A sorted list per pool with lazily refreshed keys (short walks
+  instead of sifts) matched the reference on every test and was slower (fetch_all + LFU 56-64 ->
+  61-63 ms, rule015 + LFU 38 -> 49 ms): dropped. Frequency buckets (for the undecayed default,
   `cache.lfu_decay` 1: a used resident moves to the next count's bucket, or its bucket of one
-  takes the new count in place; O(1) per use) kept the reference's residents group by group
-  (the structure tests) and the heap's hits, and were slower side by side (4,096 tokens, 7
-  rounds, medians): fetch_all + LFU 85 -> 110 ms, quality_first 82 -> 138 ms, rule015 + LFU
-  57 -> 106 ms. With lazy keys a hit is one store; a bucket is moved at 46 % of the uses (a
-  remove and an insert). Buckets with lazily stored keys (a use records its step; a trim moves
-  the residents it meets whose keys rose) gave the heap's hits at about its speed: fetch_all +
-  LFU 63 -> 66 ms, quality_first 66 -> 68 ms, rule015 + LFU 44 -> 47 ms (9 rounds). Both
-  dropped: the order's cost is the same work in another place.
+  takes the new count in place; O(1) per use) kept the reference's residents group by group (the
+  structure tests) and the heap's hits, and were slower side by side (4,096 tokens, 7 rounds,
+  medians): fetch_all + LFU 85 -> 110 ms, quality_first 82 -> 138 ms, rule015 + LFU 57 -> 106 ms.
+  With lazy keys a hit is one store; a bucket is moved at 46 % of the uses (a remove and an
+  insert). Buckets with lazily stored keys (a use records its step; a trim moves the residents it
+  meets whose keys rose) gave the heap's hits at about its speed: fetch_all + LFU 63 -> 66 ms,
+  quality_first 66 -> 68 ms, rule015 + LFU 44 -> 47 ms (9 rounds). Both dropped: the order's cost
+  is the same work in another place. Nor is it the working set: the ratio is the same at 128
+  experts as at 512 (0.347x and 0.34x in the table above), with four times less state per layer.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest (belady:
   a heap keyed by next use, re-keyed at every selection; LFU policies), not where the reference
   is fastest; fetch_all + LRU is {fa_ref}.
