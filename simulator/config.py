@@ -51,7 +51,8 @@ def opt(default, help: str, **extra):
 class TraceConfig:
     path: str = opt("traces/samples/fixture.parquet", "trace file (Parquet, see traces/format.py)")
     max_tokens: int | None = opt(None, "simulate only the first N tokens; null = all")
-    chunk_tokens: int | None = opt(None, "tokens decoded per chunk, >= 1; null = sized to ~64 MiB")
+    chunk_tokens: int | None = opt(None, "tokens decoded per chunk, >= 1; null = sized to ~64 MiB of what "
+                                   "the run decodes (from the trace cache: no logits where none are read)")
     cache: bool = opt(False, "decode once into a memory-mapped copy keyed by the file's hash "
                       "($MOE_SIM_CACHE or ~/.cache/moe-offload-sim), re-used by later runs; "
                       "moe-trace cache list | clear")

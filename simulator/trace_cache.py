@@ -152,32 +152,37 @@ class CachedTrace:
 
     def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
                     order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
-        """Chunks of whole groups in trace order (default size as the Parquet reader's);
+        """Chunks of whole groups in trace order (default size: ~CHUNK_BYTES of what is decoded, so
+        a run that reads no logits takes fewer, larger chunks: each costs the kernel a call);
         ``logits``, ``order_r`` and ``stored_ids`` as every source's (traces/format.py, *Options*)."""
-        return self._chunks(self._size(max_tokens), False, logits, order_width(self.meta, order_r), stored_ids)
+        return self._chunks(max_tokens, False, logits, order_width(self.meta, order_r), stored_ids)
 
     def iter_chunks_reversed(self, max_tokens: int | None = None, *, logits: bool = True,
                              order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """The chunks of :meth:`iter_chunks`, last to first (a copy not yet built is built first)."""
-        return self._chunks(self._size(max_tokens), True, logits, order_width(self.meta, order_r), stored_ids)
+        return self._chunks(max_tokens, True, logits, order_width(self.meta, order_r), stored_ids)
 
     def build(self) -> None:
         """Decode the trace into the cache now, if no copy is there yet."""
-        for _ in self._chunks(self._size(self._build_tokens), False, False, 0, False, build_only=True):
+        for _ in self._chunks(self._build_tokens, False, False, 0, False, build_only=True):
             pass
 
-    def _size(self, max_tokens: int | None) -> int:
-        return default_max_tokens(self.meta) if max_tokens is None else int(max_tokens)
+    def _size(self, max_tokens: int | None, logits: bool = True) -> int:
+        """Tokens per chunk: as given, else ~CHUNK_BYTES of what is decoded (``logits``: they are)."""
+        return default_max_tokens(self.meta, logits) if max_tokens is None else int(max_tokens)
 
-    def _chunks(self, max_tokens: int, descending: bool, logits: bool, order_r: int, stored_ids: bool,
+    def _chunks(self, max_tokens: int | None, descending: bool, logits: bool, order_r: int, stored_ids: bool,
                 build_only: bool = False) -> Iterator[TraceChunk]:
+        # decoding the Parquet file (and building the copy) reads every column, logits included;
+        # the copy's chunks are views, sized by what the run decodes
+        read = self._size(max_tokens)
         if self._arrays is None and self._lock.acquire(blocking=False):
             try:
                 if self._arrays is None:
                     if not (descending or build_only):
-                        yield from self._building(max_tokens, logits, order_r, stored_ids)
+                        yield from self._building(read, logits, order_r, stored_ids)
                         return
-                    for _ in self._building(max_tokens, False, 0, False):  # not backwards: build, then serve
+                    for _ in self._building(read, False, 0, False):  # not backwards: build, then serve
                         pass
             finally:
                 self._lock.release()
@@ -186,9 +191,10 @@ class CachedTrace:
         if self._arrays is None:  # another pass is building the copy: read the trace itself
             with open_trace(self.path) as reader:
                 iterate = reader.iter_chunks_reversed if descending else reader.iter_chunks
-                yield from iterate(max_tokens, logits=logits, order_r=order_r, stored_ids=stored_ids)
+                yield from iterate(read, logits=logits, order_r=order_r, stored_ids=stored_ids)
             return
-        yield from self._from_copy(max_tokens, descending, logits, order_r, stored_ids)
+        yield from self._from_copy(self._size(max_tokens, bool(logits or order_r)), descending, logits,
+                                   order_r, stored_ids)
 
     def _building(self, max_tokens: int, logits: bool, order_r: int, stored_ids: bool) -> Iterator[TraceChunk]:
         """Stream the Parquet file, yielding its chunks and writing the copy; put it in place at

@@ -61,6 +61,24 @@ def test_cached_chunks_equal_the_readers(trace_file, tmp_path, max_tokens):
                            reader.iter_chunks_reversed(max_tokens))
 
 
+def test_a_run_that_reads_no_logits_takes_fewer_larger_chunks_of_the_copy(trace_file, tmp_path, monkeypatch):
+    """Chunks of the copy are views: sized by what a run decodes, so one without logits makes
+    fewer kernel calls; the rows are the same."""
+    import traces.format as fmt
+
+    source = built(trace_file, tmp_path / "c")
+    # ~10 tokens per chunk with logits (3 layers x 16 experts x 4 bytes each), ~50 without
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 10 * fmt._token_bytes(source.meta, 8, 4, 27))
+    with_logits = list(source.iter_chunks())
+    without = list(source.iter_chunks(logits=False))
+    assert len(without) * 3 < len(with_logits)
+    for name in ("experts", "gates", "group"):
+        assert np.array_equal(np.concatenate([getattr(c, name) for c in with_logits]),
+                              np.concatenate([getattr(c, name) for c in without]))
+    # asking for logit ids to walk (order_r) reads the logits: chunks sized with them
+    assert len(list(source.iter_chunks(logits=False, order_r=4))) == len(with_logits)
+
+
 def test_stored_ids_are_the_int16_ids_of_every_source(trace_file, tmp_path):
     """stored_ids=True: the reader and the cache give the ids as stored (int16), the same values;
     the same chunks otherwise; the engine's results do not change with them."""

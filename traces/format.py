@@ -389,11 +389,12 @@ def plan_chunks(starts: Iterable[np.ndarray], num_tokens: int, max_tokens: int) 
 
 
 def _token_bytes(meta: TraceMeta, per_rank: int, per_logit: int, per_token: int,
-                 stored: bool = False) -> int:
-    """Bytes of one token; ``stored``: top-R logits as on disk (value and id), else dense E."""
+                 stored: bool = False, logits: bool = True) -> int:
+    """Bytes of one token; ``stored``: top-R logits as on disk (value and id), else dense E;
+    ``logits=False``: without the router logits (not read)."""
     k = meta.top_k
     per_layer = k * per_rank + (k if meta.has_residency else 0)
-    if meta.has_logits:
+    if meta.has_logits and logits:
         top_r = stored and meta.logits_top_r
         per_layer += meta.logits_top_r * (per_logit + 2) if top_r else meta.num_experts * per_logit
     if meta.lookahead_depth:  # decoded: int32 ids beside the float32 logits; stored: int16 ids if top-R
@@ -402,9 +403,10 @@ def _token_bytes(meta: TraceMeta, per_rank: int, per_logit: int, per_token: int,
     return meta.num_layers * per_layer + per_token
 
 
-def default_max_tokens(meta: TraceMeta) -> int:
-    """Tokens per chunk so that a decoded chunk (int32 experts, float32 gates/logits) is ~CHUNK_BYTES."""
-    return max(1, CHUNK_BYTES // _token_bytes(meta, per_rank=8, per_logit=4, per_token=27))
+def default_max_tokens(meta: TraceMeta, logits: bool = True) -> int:
+    """Tokens per chunk so that a decoded chunk (int32 experts, float32 gates/logits) is ~CHUNK_BYTES;
+    ``logits=False``: for a reader that decodes no logits."""
+    return max(1, CHUNK_BYTES // _token_bytes(meta, per_rank=8, per_logit=4, per_token=27, logits=logits))
 
 
 def default_row_group_tokens(meta: TraceMeta) -> int:
