@@ -193,8 +193,12 @@ class CachedTrace:
                 iterate = reader.iter_chunks_reversed if descending else reader.iter_chunks
                 yield from iterate(read, logits=logits, order_r=order_r, stored_ids=stored_ids)
             return
-        yield from self._from_copy(self._size(max_tokens, bool(logits or order_r)), descending, logits,
-                                   order_r, stored_ids)
+        # dense float16 logits as stored are served as views; logit ids to walk are read from a
+        # kept order, else computed from the chunk's logits
+        as_views = logits == "float16" and not self.meta.logits_top_r
+        kept = any(r >= order_r for r in self._orders)
+        decodes = (bool(logits) and not as_views) or bool(order_r and not kept)
+        yield from self._from_copy(self._size(max_tokens, decodes), descending, logits, order_r, stored_ids)
 
     def _building(self, max_tokens: int, logits: bool, order_r: int, stored_ids: bool) -> Iterator[TraceChunk]:
         """Stream the Parquet file, yielding its chunks and writing the copy; put it in place at

@@ -75,8 +75,16 @@ def test_a_run_that_reads_no_logits_takes_fewer_larger_chunks_of_the_copy(trace_
     for name in ("experts", "gates", "group"):
         assert np.array_equal(np.concatenate([getattr(c, name) for c in with_logits]),
                               np.concatenate([getattr(c, name) for c in without]))
-    # asking for logit ids to walk (order_r) reads the logits: chunks sized with them
-    assert len(list(source.iter_chunks(logits=False, order_r=4))) == len(with_logits)
+    # logit ids to walk (order_r) are computed from the logits the first time (chunks sized with
+    # them), then read from the kept order like the selections
+    first = list(source.iter_chunks(logits=False, order_r=4))
+    again = list(source.iter_chunks(logits=False, order_r=4))
+    assert len(first) == len(with_logits) and len(again) == len(without)
+    assert np.array_equal(np.concatenate([c.logit_order for c in first]),
+                          np.concatenate([c.logit_order for c in again]))
+    # dense logits as stored (float16) are views of the copy: sized as the selections
+    stored = list(source.iter_chunks(logits="float16"))
+    assert len(stored) == len(without) and stored[0].logits.dtype == np.float16
 
 
 def test_stored_ids_are_the_int16_ids_of_every_source(trace_file, tmp_path):
