@@ -99,20 +99,22 @@ NOTES = """\
   served runs that read no logits in chunks sized for float32 logits (7 kernel calls for this
   trace, each with its dispatch); its chunks are views, now sized by what the run decodes (one
   call here; 12.2 -> 9.5 ns between the bench runs at 3a03748 and 93011cd).
-- **What substitution itself costs.** `yardstick.rule_counts` is rule015 + LRU in the least
-  code that gives its counts (the gate of each miss, the walk of the top-R order with its rows
-  prefetched, the exact scan after it; hits, substitutions and fetches checked equal). In the same
-  rounds on the Qwen3-Next shape it runs at {rule_min} the lookups/s of the minimal fetch_all + LRU
-  kernel (the engine's two: {rule_eng}): the share that substitution's own work sets, whatever
-  engine runs it. The engine's rule015 + LRU is {rule_over} its minimal kernel, its fetch_all +
-  LRU {fa_over}. Tried side by side and left out
-  for no measured gain (alternating processes, medians and minima of 11-15 rounds): the walk
-  without its mark test (a resident in the order is never marked before the walk passes it), a
-  walk that tests four candidates per branch, the synchronous fetches' clock as one add per
-  copy, and the LRU lists' two links of an expert in one cache line (fetch_all + LRU 18.0-18.4 ->
-  19.0-21.7 ms: slower). An LRU kept as a log of uses, pruned lazily at the trim (a hit is three
-  stores, no loads), ran at 0.63x the linked list's speed in the minimal kernel: a victim then
-  costs a read of every stale use before it.
+- **What substitution and LFU themselves cost.** `yardstick.rule_counts` is rule015 + LRU in the
+  least code that gives its counts (the gate of each miss, the walk of the top-R order with its
+  rows prefetched, the exact scan after it; hits, substitutions and fetches checked equal). In
+  the same rounds on the Qwen3-Next shape it runs at {rule_min} the lookups/s of the minimal
+  fetch_all + LRU kernel (the engine's two: {rule_eng}): the share that substitution's own work
+  sets, whatever engine runs it. The engine's rule015 + LRU is {rule_over} its minimal kernel,
+  its fetch_all + LRU {fa_over}. For LFU, `yardstick.lfu_hits` (a textbook heap per layer,
+  re-keyed at every selection; the same hits) runs at {lfu_min} the minimal LRU's lookups/s, and
+  the engine's fetch_all + LFU at {lfu_eng} of its fetch_all + LRU, in {lfu_over} the textbook
+  kernel's time. Tried side by side and left out for no measured gain (alternating processes,
+  medians and minima of 11-15 rounds): the walk without its mark test (a resident in the order
+  is never marked before the walk passes it), a walk that tests four candidates per branch, the
+  synchronous fetches' clock as one add per copy, and the LRU lists' two links of an expert in
+  one cache line (fetch_all + LRU 18.0-18.4 -> 19.0-21.7 ms: slower). An LRU kept as a log of
+  uses, pruned lazily at the trim (a hit is three stores, no loads), ran at 0.63x the linked
+  list's speed in the minimal kernel: a victim then costs a read of every stale use before it.
 - **Substitution and LFU against fetch_all + LRU.** The three shares fall as fetch_all + LRU
   gets faster (at kernel commit abe017a they were met, at 43 M lookups/s for fetch_all + LRU).
   What a substituting policy pays beyond a lookup: the gate and the miss rule per miss, the
@@ -377,15 +379,16 @@ def _work_shape(task: dict) -> dict:
 
 def _yardstick(source, model: list[str], repeats: int) -> dict:
     """The minimal kernels (simulator/yardstick.py) on the same trace and cache size as the
-    fetch_all + LRU and rule015 + LRU rows, timed in rounds with those rows' whole ``simulate``
-    calls (one of each in turn, so all see the machine's drift): the CPU time of each, and
-    whether the counts are equal (hits; hits, substitutions and fetches)."""
+    fetch_all + LRU, rule015 + LRU and fetch_all + LFU rows, timed in rounds with those rows'
+    whole ``simulate`` calls (one of each in turn, so all see the machine's drift): the CPU time
+    of each, and whether the counts are equal (hits; hits, substitutions and fetches; hits)."""
     from simulator.engine import read_options, simulate
-    from simulator.yardstick import lru_hits, rule_counts
+    from simulator.yardstick import lfu_hits, lru_hits, rule_counts
 
     meta = source.meta
     params = sim_params(meta, POLICIES["fetch_all+lru"] + model)
     rule = sim_params(meta, POLICIES["rule015+lru"] + model)
+    lfu = sim_params(meta, POLICIES["fetch_all+lfu"] + model)
     capacity = int(params.pool_budget_bytes[0] // int(params.expert_bytes[0]))  # the model's sizes
     chunks = list(source.iter_chunks(**read_options(rule, source)))  # float16 logits, the top-R order
     experts = np.concatenate([c.experts for c in chunks])
@@ -396,19 +399,24 @@ def _yardstick(source, model: list[str], repeats: int) -> dict:
     engine_hits = simulate(source, params).layer_hits
     r = simulate(source, rule)
     engine_rule = np.stack([r.layer_hits, r.layer_substitutions, r.layer_fetches], axis=1)
+    engine_lfu = simulate(source, lfu).layer_hits
     hits = lru_hits(experts, meta.num_experts, capacity)  # compiles or loads; not timed
     counts = rule_counts(*rule_args)
-    cpu, engine_cpu, rule_cpu, rule_engine_cpu = [], [], [], []
+    lfu_equal = bool(np.array_equal(lfu_hits(experts, meta.num_experts, capacity), engine_lfu))
+    cpu, engine_cpu, rule_cpu, rule_engine_cpu, lfu_cpu, lfu_engine_cpu = [], [], [], [], [], []
     for _ in range(2 * repeats):
         engine_cpu.append(_timed(lambda: simulate(source, params))[1])
         cpu.append(_timed(lambda: lru_hits(experts, meta.num_experts, capacity))[1])
         rule_engine_cpu.append(_timed(lambda: simulate(source, rule))[1])
         rule_cpu.append(_timed(lambda: rule_counts(*rule_args))[1])
+        lfu_engine_cpu.append(_timed(lambda: simulate(source, lfu))[1])
+        lfu_cpu.append(_timed(lambda: lfu_hits(experts, meta.num_experts, capacity))[1])
     return {"cpu_s": cpu, "lookups": int(experts.size), "capacity": capacity,
             "equal": bool(np.array_equal(hits, engine_hits)), "engine_cpu_s": engine_cpu,
             "rule_cpu_s": rule_cpu, "rule_engine_cpu_s": rule_engine_cpu,
             "rule_equal": bool(np.array_equal(counts, engine_rule)),
-            "rule_substitutions": int(counts[:, 1].sum())}
+            "rule_substitutions": int(counts[:, 1].sum()),
+            "lfu_cpu_s": lfu_cpu, "lfu_engine_cpu_s": lfu_engine_cpu, "lfu_equal": lfu_equal}
 
 
 def _first_run(trace: str, meta, model: list[str], repeats: int) -> dict:
@@ -728,8 +736,9 @@ def _targets(fig: dict) -> list[tuple[str, str, str, bool | None]]:
         if row in first:
             share = lookups(first[row]) / fa
             y = fig["shapes"][SHAPES[0].name].get("yardstick", {})
-            minimal = (f" (minimal kernels: {_med(y['cpu_s']) / _med(y['rule_cpu_s']):.2f}x)"
-                       if row == "rule015+lru" and "rule_cpu_s" in y else "")
+            pre = {"rule015+lru": "rule_", "fetch_all+lfu": "lfu_"}.get(row, "none_")
+            minimal = (f" (minimal kernels: {_med(y['cpu_s']) / _med(y[pre + 'cpu_s']):.2f}x)"
+                       if pre + "cpu_s" in y else "")
             rows.append((f"{what} >= {TARGETS[key]:g}x the lookups/s of fetch_all + LRU (Qwen3-Next, "
                          "trace cache)", f"{share:.2f}x{minimal}", f"{share / TARGETS[key]:.2f}x target",
                          share >= TARGETS[key]))
@@ -904,28 +913,30 @@ def render(fig: dict) -> str:
         "per layer are checked.",
         "",
     ]
-    rule_rows = [s for s in fig["shapes"].values() if "rule_cpu_s" in s["yardstick"]]
-    if rule_rows:
+    other_rows = [[s["shape"]["name"], label, f"{_med(y[pre + 'cpu_s']) / y['lookups'] * 1e9:.1f}",
+                   f"{_med(y[pre + 'engine_cpu_s']) / y['lookups'] * 1e9:.1f}",
+                   f"{_rounds_ratio(y[pre + 'engine_cpu_s'], y[pre + 'cpu_s']):.2f}x",
+                   f"{_med(y['cpu_s']) / _med(y[pre + 'cpu_s']):.2f}x",
+                   f"{_med(y['engine_cpu_s']) / _med(y[pre + 'engine_cpu_s']):.2f}x",
+                   "yes" if y[pre + "equal"] else "**no**"]
+                  for s in fig["shapes"].values() for y in [s["yardstick"]]
+                  for pre, label in (("rule_", "rule015 + LRU"), ("lfu_", "fetch_all + LFU")) if pre + "cpu_s" in y]
+    if other_rows:
         out += [
-            _table(["shape", "substitutions", "minimal rule015 ns/lookup", "rule015 + LRU ns/lookup",
-                    "engine / minimal", "minimal: rule015 / fetch_all lookups/s",
-                    "engine: rule015 / fetch_all lookups/s", "counts equal"],
-                   [[s["shape"]["name"], f"{y['rule_substitutions']:,}",
-                     f"{_med(y['rule_cpu_s']) / y['lookups'] * 1e9:.1f}",
-                     f"{_med(y['rule_engine_cpu_s']) / y['lookups'] * 1e9:.1f}",
-                     f"{_rounds_ratio(y['rule_engine_cpu_s'], y['rule_cpu_s']):.2f}x",
-                     f"{_med(y['cpu_s']) / _med(y['rule_cpu_s']):.2f}x",
-                     f"{_med(y['engine_cpu_s']) / _med(y['rule_engine_cpu_s']):.2f}x",
-                     "yes" if y["rule_equal"] else "**no**"]
-                    for s in rule_rows for y in [s["yardstick"]]]),
+            _table(["shape", "policy", "minimal kernel ns/lookup", "engine ns/lookup", "engine / minimal",
+                    "minimal: lookups/s / minimal fetch_all + LRU's", "engine: lookups/s / fetch_all + LRU's",
+                    "counts equal"], other_rows),
             "",
-            "The same for substitution: `yardstick.rule_counts` adds the 0.15 rule and logit "
-            "substitution (the walk of the token-layer's top-R unselected logit ids, the exact scan "
-            "after it) to the minimal LRU, timed in the same rounds as the rule015 + LRU row's "
-            "`simulate` call; hits, substitutions and fetches per layer are checked equal. The "
-            "*minimal* share is what substitution itself costs against a plain lookup in the "
-            "least code that does it: the gate of each miss, the rule's branches and the order's "
-            "rows, read once each.",
+            "The same for two more policies, timed in the same rounds. rule015 + LRU "
+            "(`yardstick.rule_counts`): the 0.15 rule and logit substitution (the walk of the "
+            "token-layer's top-R unselected logit ids, the exact scan after it) over the minimal "
+            "LRU; hits, substitutions and fetches per layer checked equal. fetch_all + LFU "
+            "(`yardstick.lfu_hits`): a textbook binary heap per layer keyed (selections, last use, "
+            "id), re-keyed at every selection; hits checked equal. The *minimal* share is what the "
+            "policy's own work costs against a plain lookup in the least code that does it: for "
+            "substitution the gate of each miss, the rule's branches and the order's rows; for LFU "
+            "the frequency order (the engine refreshes its heap's keys lazily and holds admissions "
+            "out of it, so it may run faster than this kernel).",
             "",
         ]
     out += [
@@ -1105,13 +1116,17 @@ def _note_figures(fig: dict) -> dict:
 
 
 def _rule_note_figures(y: dict) -> dict:
-    """The minimal rule015 kernel's figures the notes quote ('n/a' in figures of earlier versions)."""
-    if "rule_cpu_s" not in y:
-        return dict.fromkeys(("rule_min", "rule_eng", "rule_over", "fa_over"), "n/a")
-    return {"rule_min": f"{_med(y['cpu_s']) / _med(y['rule_cpu_s']):.2f}x",
-            "rule_eng": f"{_med(y['engine_cpu_s']) / _med(y['rule_engine_cpu_s']):.2f}x",
-            "rule_over": f"{_rounds_ratio(y['rule_engine_cpu_s'], y['rule_cpu_s']):.2f}x",
-            "fa_over": f"{_yardstick_ratio(y):.2f}x"}
+    """The minimal rule015 and LFU kernels' figures the notes quote ('n/a' in figures of earlier
+    versions)."""
+    out = {"fa_over": f"{_yardstick_ratio(y):.2f}x"}
+    for pre in ("rule", "lfu"):
+        if f"{pre}_cpu_s" not in y:
+            out.update(dict.fromkeys((f"{pre}_min", f"{pre}_eng", f"{pre}_over"), "n/a"))
+            continue
+        out.update({f"{pre}_min": f"{_med(y['cpu_s']) / _med(y[f'{pre}_cpu_s']):.2f}x",
+                    f"{pre}_eng": f"{_med(y['engine_cpu_s']) / _med(y[f'{pre}_engine_cpu_s']):.2f}x",
+                    f"{pre}_over": f"{_rounds_ratio(y[f'{pre}_engine_cpu_s'], y[f'{pre}_cpu_s']):.2f}x"})
+    return out
 
 
 def _fail(message: str) -> NoReturn:

@@ -16,6 +16,10 @@ token-layer's top-R order of unselected logit ids (the walk), or, once the walk 
 the resident of highest logit not selected and not yet used in the step (ties: the lower id);
 none left: the miss is fetched. Its time against :func:`lru_hits`' is what substitution itself
 costs (the gate, the order's rows, the rule's branches), whatever engine runs it.
+
+:func:`lfu_hits` is fetch_all with per-layer LFU in the same least code: a binary min-heap of
+each layer's residents keyed (selections, step of last use, id), re-keyed at every selection; the
+trim pops the least key that the step did not use. It says what the frequency order costs against a lookup in a textbook structure.
 """
 from __future__ import annotations
 
@@ -135,6 +139,93 @@ def _scan(experts, order, logit_bits, f16, resident, taken, t, layer, step):
     if best >= 0:
         taken[layer, best] = step
     return best
+
+
+@jit(allocates=False, inline=True)
+def _before(a, b, layer, freq, last):
+    """Heap order of experts a and b of ``layer``: fewer selections, then used longer ago, then id."""
+    if freq[layer, a] != freq[layer, b]:
+        return freq[layer, a] < freq[layer, b]
+    if last[layer, a] != last[layer, b]:
+        return last[layer, a] < last[layer, b]
+    return a < b
+
+
+@jit(allocates=False, inline=True)
+def _place(heap, pos, layer, i, x):
+    heap[layer, i] = x
+    pos[layer, x] = i
+
+
+@jit(allocates=False, inline=True)
+def _sift(heap, pos, layer, i, n, freq, last):
+    """Restore the heap order of layer's heap (n entries) around position i."""
+    x = heap[layer, i]
+    while i > 0 and _before(x, heap[layer, (i - 1) // 2], layer, freq, last):  # up
+        _place(heap, pos, layer, i, heap[layer, (i - 1) // 2])
+        i = (i - 1) // 2
+    while 2 * i + 1 < n:  # down
+        c = 2 * i + 1
+        if c + 1 < n and _before(heap[layer, c + 1], heap[layer, c], layer, freq, last):
+            c += 1
+        if not _before(heap[layer, c], x, layer, freq, last):
+            break
+        _place(heap, pos, layer, i, heap[layer, c])
+        i = c
+    _place(heap, pos, layer, i, x)
+
+
+@jit(allocates=False)
+def _lfu_hits(experts, capacity, heap, pos, size, freq, last, resident, aside, hits):
+    T, L, K = experts.shape
+    for t in range(T):
+        for layer in range(L):
+            for i in range(K):  # a selection counts at its lookup: only the trim reads the counts
+                e = experts[t, layer, i]
+                freq[layer, e] += 1
+                last[layer, e] = t
+                if resident[layer, e]:
+                    hits[layer] += 1
+                    _sift(heap, pos, layer, pos[layer, e], size[layer], freq, last)
+                else:
+                    resident[layer, e] = 1
+                    n = size[layer]
+                    heap[layer, n] = e
+                    size[layer] = n + 1
+                    _sift(heap, pos, layer, n, n + 1, freq, last)
+            n_aside = 0
+            while size[layer] + n_aside > capacity:  # trim: pop the least key not used in the step
+                e = heap[layer, 0]
+                n = size[layer] - 1
+                heap[layer, 0] = heap[layer, n]
+                pos[layer, heap[layer, 0]] = 0
+                size[layer] = n
+                _sift(heap, pos, layer, 0, n, freq, last)
+                if last[layer, e] == t:
+                    aside[n_aside] = e
+                    n_aside += 1
+                else:
+                    resident[layer, e] = 0
+            for j in range(n_aside):  # the step's own experts go back
+                e = aside[j]
+                heap[layer, size[layer]] = e
+                size[layer] += 1
+                _sift(heap, pos, layer, size[layer] - 1, size[layer], freq, last)
+
+
+def lfu_hits(experts: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
+    """Hits per layer (int64[L]) of fetch_all + per-layer LFU (undecayed; ties by least recently
+    used, then the lower id) with ``capacity`` experts per layer over decode-only selections
+    int[T, L, k], from an empty cache; capacity >= k."""
+    experts, _ = _empty_cache(experts, num_experts, capacity)
+    L = experts.shape[1]
+    heap = np.zeros((L, num_experts), np.int32)
+    pos = np.zeros((L, num_experts), np.int32)
+    hits = np.zeros(L, np.int64)
+    _lfu_hits(experts, np.int32(capacity), heap, pos, np.zeros(L, np.int64), np.zeros((L, num_experts), np.int64),
+              np.full((L, num_experts), -1, np.int64), np.zeros((L, num_experts), np.int8),
+              np.zeros(experts.shape[2], np.int32), hits)
+    return hits
 
 
 def rule_counts(experts: np.ndarray, gates: np.ndarray, order: np.ndarray, logits: np.ndarray,

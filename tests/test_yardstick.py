@@ -1,12 +1,12 @@
-"""The bench's minimal kernels give fetch_all + per-layer LRU's hits, and rule015 + LRU's hits,
-substitutions and fetches, exactly (random traces)."""
+"""The bench's minimal kernels give fetch_all + per-layer LRU's and LFU's hits, and rule015 +
+LRU's hits, substitutions and fetches, exactly (random traces)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from engine_cases import params, run_both, trace
 
-from simulator.yardstick import lru_hits, rule_counts
+from simulator.yardstick import lfu_hits, lru_hits, rule_counts
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -25,9 +25,26 @@ def test_minimal_kernel_hits_equal_the_engines(seed):
         assert 0 < hits.sum() or capacity < E
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_minimal_lfu_kernel_hits_equal_the_engines(seed):
+    """Skewed routing, so counts tie often and the ties (least recently used, then the lower id)
+    decide victims."""
+    rng = np.random.default_rng(200 + seed)
+    T, L, E = int(rng.integers(20, 80)), int(rng.integers(1, 4)), int(rng.integers(4, 24))
+    k = int(rng.integers(1, min(E, 5) + 1))
+    skew = rng.power(0.4, size=E) + 1e-3
+    experts = np.stack([[rng.choice(E, size=k, replace=False, p=skew / skew.sum()) for _ in range(L)]
+                        for _ in range(T)])
+    source = trace(experts, num_experts=E)
+    for capacity in sorted({k, min(E, k + 1), min(E, 2 * k + 1), max(k, E - 1)}):
+        r = run_both(source, params(source.meta, budget_experts=capacity, eviction="lfu"))
+        assert lfu_hits(experts, E, capacity).tolist() == r.layer_hits.tolist(), capacity
+
+
 def test_minimal_kernel_needs_room_for_a_step():
-    with pytest.raises(ValueError, match="below top-k"):
-        lru_hits(np.zeros((1, 1, 2), np.int32) + np.arange(2), 4, 1)
+    for minimal in (lru_hits, lfu_hits):
+        with pytest.raises(ValueError, match="below top-k"):
+            minimal(np.zeros((1, 1, 2), np.int32) + np.arange(2), 4, 1)
 
 
 @pytest.mark.parametrize("seed", range(6))
