@@ -862,7 +862,7 @@ def render(fig: dict) -> str:
         f"{fig['loadavg_end'][0]:.1f} at the end (other work shares this machine, so wall times "
         "are noisy; throughput uses the CPU time of the simulating thread).",
         "",
-        f"Figures are medians of {fig['repeats']} runs (the policies timed in rounds, one run of each in turn). Traces: synthetic (traces/synth.py, seed 0), "
+        f"Figures are medians of {fig['repeats']} runs (the policies timed in rounds, one run of each in turn, after an untimed run of each on the whole trace: kernels loaded, the trace cache's top-R order built). Traces: synthetic (traces/synth.py, seed 0), "
         "decode only, full router logits; cache per layer at 25 % of the experts, hardware "
         "h200_pcie5, the model preset's expert sizes. A *lookup* is one selected expert of one "
         "token at one layer (tokens x layers x top-k); a *step* is one token at one layer.",
