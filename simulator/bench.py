@@ -72,6 +72,9 @@ POLICIES = {  # row label -> moe-sim overrides (cache: per_layer, fraction 0.25)
 }
 LCS_FRACTION = 0.25  # libCacheSim comparison: one global cache of this share of all experts
 MANY_FRACTIONS = (0.125, 0.25)  # simulate_many: every policy at each of these cache fractions
+# rows of POLICIES with a minimal kernel of their own in the yardstick's rounds (simulator/yardstick.py):
+# the prefix of their keys in the figures, and their label
+MINIMAL_KERNELS = {"rule015+lru": ("rule_", "rule015 + LRU"), "fetch_all+lfu": ("lfu_", "fetch_all + LFU")}
 SCALE_SHAPE = SHAPES[0]
 SCALE_POLICIES = ("fetch_all+lru", "quality_first")  # the first also streamed from Parquet
 FIRST_RUN_POLICIES = ("fetch_all+lru", "quality_first")  # each also run from Parquet, no trace cache
@@ -739,9 +742,9 @@ def _targets(fig: dict) -> list[tuple[str, str, str, bool | None]]:
         if row in first:
             share = lookups(first[row]) / fa
             y = fig["shapes"][SHAPES[0].name].get("yardstick", {})
-            pre = {"rule015+lru": "rule_", "fetch_all+lfu": "lfu_"}.get(row, "none_")
+            pre = MINIMAL_KERNELS.get(row, ("",))[0]
             minimal = (f" (minimal kernels: {_med(y['cpu_s']) / _med(y[pre + 'cpu_s']):.2f}x)"
-                       if pre + "cpu_s" in y else "")
+                       if pre and pre + "cpu_s" in y else "")
             rows.append((f"{what} >= {TARGETS[key]:g}x the lookups/s of fetch_all + LRU (Qwen3-Next, "
                          "trace cache)", f"{share:.2f}x{minimal}", f"{share / TARGETS[key]:.2f}x target",
                          share >= TARGETS[key]))
@@ -923,7 +926,7 @@ def render(fig: dict) -> str:
                    f"{_med(y['engine_cpu_s']) / _med(y[pre + 'engine_cpu_s']):.2f}x",
                    "yes" if y[pre + "equal"] else "**no**"]
                   for s in fig["shapes"].values() for y in [s["yardstick"]]
-                  for pre, label in (("rule_", "rule015 + LRU"), ("lfu_", "fetch_all + LFU")) if pre + "cpu_s" in y]
+                  for pre, label in MINIMAL_KERNELS.values() if pre + "cpu_s" in y]
     if other_rows:
         out += [
             _table(["shape", "policy", "minimal kernel ns/lookup", "engine ns/lookup", "engine / minimal",
@@ -1114,21 +1117,21 @@ def _note_figures(fig: dict) -> dict:
         "mx_steps": format(_rate(mixtral["steps"], _med(mixtral["cpu_s"])) / 1e6, ".0f"),
         "mx_lookups": format(_rate(mixtral["lookups"], _med(mixtral["cpu_s"])) / 1e6, ".0f"),
         "yard_ns": format(_med(shapes[0]["yardstick"]["cpu_s"]) / shapes[0]["yardstick"]["lookups"] * 1e9, ".1f"),
-        **_rule_note_figures(shapes[0]["yardstick"]),
+        **_minimal_note_figures(shapes[0]["yardstick"]),
     }
 
 
-def _rule_note_figures(y: dict) -> dict:
-    """The minimal rule015 and LFU kernels' figures the notes quote ('n/a' in figures of earlier
-    versions)."""
+def _minimal_note_figures(y: dict) -> dict:
+    """The minimal kernels' figures the notes quote ('n/a' in figures of earlier versions)."""
     out = {"fa_over": f"{_yardstick_ratio(y):.2f}x"}
-    for pre in ("rule", "lfu"):
-        if f"{pre}_cpu_s" not in y:
-            out.update(dict.fromkeys((f"{pre}_min", f"{pre}_eng", f"{pre}_over"), "n/a"))
+    for pre, _ in MINIMAL_KERNELS.values():
+        keys = (f"{pre}min", f"{pre}eng", f"{pre}over")
+        if f"{pre}cpu_s" not in y:
+            out.update(dict.fromkeys(keys, "n/a"))
             continue
-        out.update({f"{pre}_min": f"{_med(y['cpu_s']) / _med(y[f'{pre}_cpu_s']):.2f}x",
-                    f"{pre}_eng": f"{_med(y['engine_cpu_s']) / _med(y[f'{pre}_engine_cpu_s']):.2f}x",
-                    f"{pre}_over": f"{_rounds_ratio(y[f'{pre}_engine_cpu_s'], y[f'{pre}_cpu_s']):.2f}x"})
+        out.update(zip(keys, (f"{_med(y['cpu_s']) / _med(y[f'{pre}cpu_s']):.2f}x",
+                              f"{_med(y['engine_cpu_s']) / _med(y[f'{pre}engine_cpu_s']):.2f}x",
+                              f"{_rounds_ratio(y[f'{pre}engine_cpu_s'], y[f'{pre}cpu_s']):.2f}x"), strict=True))
     return out
 
 

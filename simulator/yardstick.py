@@ -1,5 +1,5 @@
-"""The yardsticks of ``make bench``: the least code that gives fetch_all + LRU's hit counts, and
-rule015 + LRU's hits, substitutions and fetches.
+"""The yardsticks of ``make bench``: the least code that gives fetch_all + LRU's hit counts,
+rule015 + LRU's hits, substitutions and fetches, and fetch_all + LFU's hits.
 
 A per-layer LRU cache of ``capacity`` experts per layer, fetch every miss, decode steps only
 (one token at one layer), with the engine's step semantics (docs/semantics.md): a step's
@@ -19,7 +19,8 @@ costs (the gate, the order's rows, the rule's branches), whatever engine runs it
 
 :func:`lfu_hits` is fetch_all with per-layer LFU in the same least code: a binary min-heap of
 each layer's residents keyed (selections, step of last use, id), re-keyed at every selection; the
-trim pops the least key that the step did not use. It says what the frequency order costs against a lookup in a textbook structure.
+trim pops the least key that the step did not use. It says what the frequency order costs
+against a lookup in a textbook structure.
 """
 from __future__ import annotations
 
@@ -65,7 +66,6 @@ def _trim(layer, capacity, prev, nxt, head, count, resident):
 @jit(allocates=False)
 def _lru_hits(experts, capacity, prev, nxt, head, tail, count, resident, hits):
     T, L, K = experts.shape
-    total = 0
     for t in range(T):
         for layer in range(L):
             for i in range(K):
@@ -76,10 +76,8 @@ def _lru_hits(experts, capacity, prev, nxt, head, tail, count, resident, hits):
                     count[layer] += 1
                 else:
                     hits[layer] += 1
-                    total += 1
                 _use(e, layer, fetched, prev, nxt, head, tail)
             _trim(layer, capacity, prev, nxt, head, count, resident)
-    return total
 
 
 @jit(allocates=False)
