@@ -489,8 +489,11 @@ def test_lookahead_in_generation_follows_the_kv_cache_decode(tmp_path):
                                        np.take_along_axis(ref, ids, -1), rtol=1e-3, atol=1e-3)
 
 
-def test_capture_writes_what_the_single_writer_wrote_before(tmp_path):
-    """Top-R on the device and row groups encoded in parallel give the trace the host path gave."""
+@pytest.mark.parametrize(("processes", "shared"), [(False, False), (False, True), (True, True)])
+def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, processes, shared):
+    """Top-R on the device and row groups encoded in parallel give the trace the host path gave;
+    also with the rows written into the writer's shared memory (``shared``), where the encoder
+    threads or processes read them in place."""
     from traces.capture.capture import build_meta
     from traces.format import TraceWriter, read_trace
 
@@ -502,9 +505,9 @@ def test_capture_writes_what_the_single_writer_wrote_before(tmp_path):
     with TraceWriter(tmp_path / "before.parquet", meta) as writer:
         writer.write(**dense.columns())
     # now: the capture's defaults with small units, so the file joins many parts
-    with open_writer_units(tmp_path / "now.parquet", meta, unit_tokens=5) as writer:
+    with open_writer_units(tmp_path / "now.parquet", meta, unit_tokens=5, processes=processes) as writer:
         capture_windows(model, sites, wins, CaptureConfig(logits="top:5", batch_size=4),
-                        lambda rows: writer.write(**rows.columns()))
+                        lambda rows: writer.write(**rows.columns()), block=writer.block if shared else None)
     before, now = read_trace(tmp_path / "before.parquet"), read_trace(tmp_path / "now.parquet")
     assert before[0] == now[0]
     for name in ("seq", "pos", "phase", "token_id", "domain", "experts", "gates", "logits", "nll"):
@@ -514,10 +517,10 @@ def test_capture_writes_what_the_single_writer_wrote_before(tmp_path):
     assert pq.ParquetFile(tmp_path / "now.parquet").metadata.num_row_groups == -(-57 // 5)
 
 
-def open_writer_units(path, meta, unit_tokens):
+def open_writer_units(path, meta, unit_tokens, processes=False):
     from traces.capture.writer import ParallelTraceWriter
 
-    return ParallelTraceWriter(path, meta, unit_tokens=unit_tokens, workers=3)
+    return ParallelTraceWriter(path, meta, unit_tokens=unit_tokens, workers=3, processes=processes)
 
 
 def test_a_capture_in_many_parts_records_the_content_hash_one_writer_of_its_rows_records(tmp_path, capsys):
@@ -621,10 +624,11 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
                 "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
                 "--lookahead-depth", "1", "--writers", "2", "--writer", "processes,threads", "--unit-tokens", "30",
-                "--out", str(out)])
+                "--shared-rows", "1,0", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert [(r["writer"], r["batch_size"]) for r in result["runs"]] == [
-        ("processes", 1), ("processes", 4), ("threads", 1), ("threads", 4)] and result["device"] == "cpu"
+    assert [(r["writer"], r["batch_size"], r["shared_rows"]) for r in result["runs"]] == [
+        (w, b, s) for w in ("processes", "threads") for b in (1, 4) for s in (True, False)]
+    assert result["device"] == "cpu"
     for r in result["runs"]:
         assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x") and r["writers"] == 2
         assert r["tokens"] == 200 and r["unit_tokens"] == 30 and r["open_s"] >= 0
@@ -633,13 +637,14 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         assert (fwd - 0.5) / (cap + 0.5) - 1e-3 <= 1 + r["capture_overhead_pct"] / 100 <= (fwd + 0.5) / (cap - 0.5) + 1e-3
         assert 0 <= r["writer_wait_pct"] <= 100
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert len(table) == 4 and [line.split("|")[3:5] for line in table][1:3] == [
-        [" 2 processes, 30-token units ", " 4 "], [" 2 threads, 30-token units ", " 1 "]]
+    assert len(table) == 8 and [line.split("|")[3:5] for line in table][3:5] == [
+        [" 2 processes, 30-token units, rows copied ", " 4 "], [" 2 threads, 30-token units, rows shared in place ", " 1 "]]
 
 
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
                                              (["--repeats", "0"], "--repeats 0: rounds must be at least 1"),
-                                             (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers")])
+                                             (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers"),
+                                             (["--shared-rows", "1,yes"], "--shared-rows 1,yes: give 1 or 0")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
     from traces.capture import bench
 

@@ -337,3 +337,37 @@ def test_the_writer_cost_tool_times_the_writing_thread_and_refuses_bad_counts(ca
     with pytest.raises(SystemExit) as e:
         main(["--forwards", "0"])
     assert e.value.code == 2 and "--forwards" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_again(tmp_path, monkeypatch, processes):
+    """Blocks filled in the writer's slabs (``ParallelTraceWriter.block``): encoder processes are
+    told where the rows lie instead of getting a copy; a slab is lent again once all its tokens
+    are in the file (and hashed), so 60 blocks need a few slabs; the file, content hash included,
+    is the one a single writer makes of the same rows."""
+    from traces.capture import writer as W
+
+    meta, cols = trace_columns(tokens=600)
+    with TraceWriter(tmp_path / "one.parquet", meta) as writer:
+        writer.write(**cols)
+    sent = []
+    real_send = W._Encoder.send
+    monkeypatch.setattr(W._Encoder, "send", lambda self, request: (sent.append(request), real_send(self, request))[1])
+    lent = set()
+    path = tmp_path / "lent.parquet"
+    with ParallelTraceWriter(path, meta, unit_tokens=7, workers=2, processes=processes) as writer:
+        for piece in blocks(cols, list(range(10, 600, 10))):
+            block = writer.block({name: (v.dtype, v.shape) for name, v in piece.items()})
+            for name, v in piece.items():
+                block.views[name][...] = v
+            lent.add(block.slab)
+            writer.write(**block.views)
+    assert 1 < len(lent) <= 15
+    assert lent <= set(W._FREE_SLABS)  # all back after the close
+    if processes:
+        assert len(sent) == -(-600 // 7)
+        assert all(Path(source[0]).name.startswith("moe-trace-rows-") for request in sent for source in request[0])
+    one, many = read_trace(tmp_path / "one.parquet"), read_trace(path)
+    for name in ("seq", "pos", "experts", "gates", "logits", "nll", "lookahead_logits", "lookahead_ids"):
+        np.testing.assert_array_equal(getattr(one[1], name), getattr(many[1], name), err_msg=name)
+    assert recorded_content_hash(path) == recorded_content_hash(tmp_path / "one.parquet") is not None

@@ -119,7 +119,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
                 opens.append(time.perf_counter() - start)
                 units.append(w.unit_tokens)
                 stats = capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
-                                        logits_are_probs=probs)
+                                        logits_are_probs=probs, block=w.block if cfg.shared_rows else None)
                 end = time.perf_counter()
             closed = time.perf_counter()
             closes.append(closed - end)
@@ -138,7 +138,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "writers": _workers(cfg),
         "writer": cfg.writer,
         "unit_tokens": units[-1],
-        "model_cpu": cpu_of_model,  # the CPU the model's thread was pinned to (pin_threads), or None
+        "model_cpu": cpu_of_model,
+        "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
         "tokens": tokens,
         "forward_tokens_per_s": round(tokens / t_fwd),
         "hooks_tokens_per_s": round(tokens / t_hooks),
@@ -187,6 +188,8 @@ def overhead_table(bench: dict) -> list[str]:
             encoders += f", {r['unit_tokens']:,}-token units"
         if r.get("model_cpu") is not None:
             encoders += f", model's thread on CPU {r['model_cpu']}"
+        if "shared_rows" in r:
+            encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
@@ -218,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pin-threads", default="1" if defaults.pin_threads else "0",
                    help="1: the model's thread on a CPU core of its own (moe-capture's pin_threads), 0: not; "
                         "comma-separated to compare")
+    p.add_argument("--shared-rows", default="1" if defaults.shared_rows else "0",
+                   help="1: the device writes the rows into the encoders' shared memory (moe-capture's "
+                        "shared_rows), 0: through pinned buffers, copied; comma-separated to compare")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
@@ -234,9 +240,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--unit-tokens {args.unit_tokens}: give whole numbers >= 0, comma-separated")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
-    pins = args.pin_threads.split(",")
-    if any(x not in ("0", "1") for x in pins):
-        p.error(f"--pin-threads {args.pin_threads}: give 1 or 0, comma-separated")
+    pins, shares = args.pin_threads.split(","), args.shared_rows.split(",")
+    for flag, values in (("--pin-threads", pins), ("--shared-rows", shares)):
+        if any(x not in ("0", "1") for x in values):
+            p.error(f"{flag} {','.join(values)}: give 1 or 0, comma-separated")
 
     import torch
 
@@ -253,15 +260,16 @@ def main(argv: list[str] | None = None) -> None:
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
-    for logits, writer, bs, unit, pin in itertools.product(args.logits.split(","), args.writer.split(","),
-                                                           (int(x) for x in args.batch_sizes.split(",")), units,
-                                                           pins):
+    for logits, writer, bs, unit, pin, share in itertools.product(
+            args.logits.split(","), args.writer.split(","), (int(x) for x in args.batch_sizes.split(",")), units,
+            pins, shares):
         cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, writer=writer,
                       lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window),
-                      pin_threads=pin == "1")
+                      pin_threads=pin == "1", shared_rows=share == "1")
         r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
         results["runs"].append(r)
-        print(f"{name} logits={logits} writer={writer} unit {r['unit_tokens']} batch {bs} model's CPU "
+        print(f"{name} logits={logits} writer={writer} unit {r['unit_tokens']} batch {bs} shared rows {share} "
+              f"model's CPU "
               f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
               f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
               f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %; "

@@ -8,9 +8,10 @@ steps with the KV cache; every token fed to the model is recorded. Padding never
 
 Device work is never waited on inside the loop. On the device, the recorded logits are cut to
 what the trace stores (top R with ids, as ``traces.format`` would select them on the host), then
-copied to pinned host memory on a side stream; a drain thread hands each batch to the sink, by
-default a :class:`~traces.capture.writer.ParallelTraceWriter` whose threads encode row groups
-in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
+copied on a side stream into the sink's shared memory (``shared_rows``, registered with CUDA),
+or else into pinned host memory; a drain thread hands each batch to the sink, by default a
+:class:`~traces.capture.writer.ParallelTraceWriter` whose encoder processes read the rows where
+the device wrote them and encode row groups in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
 the loop wait (``blocked_s`` in the summary).
 """
 from __future__ import annotations
@@ -143,11 +144,18 @@ class Storage:
 class _Drain:
     """Moves recorded device tensors to the host and into the sink on a thread of its own.
 
+    With ``block`` (the sink's :meth:`~traces.capture.writer.ParallelTraceWriter.block`), each
+    block of rows goes straight into the sink's shared memory: on a GPU, that memory is registered
+    with the device (once per slab) and the device copies the rows there itself; the encoder
+    processes read them in place. Without it (or where the registration fails), the rows go
+    through pinned buffers of torch's own and the sink copies them.
+
     ``blocked_s`` counts the seconds the capture loop waited because the sink fell behind.
     """
 
-    def __init__(self, write, device: torch.device, depth: int = 3):
+    def __init__(self, write, device: torch.device, depth: int = 3, block=None):
         self._write = write
+        self._block = block
         self._cuda = device.type == "cuda"
         # copies on a stream of their own overlap the next forward instead of queueing behind it
         self._stream = torch.cuda.Stream(device) if self._cuda else None
@@ -169,7 +177,8 @@ class _Drain:
             try:
                 if event is not None:
                     event.synchronize()
-                self._write(Rows(**host, **{k: v.numpy() for k, v in copies.items()}))
+                self._write(Rows(**host, **{k: v.numpy() if isinstance(v, torch.Tensor) else v
+                                           for k, v in copies.items()}))
             except BaseException as e:  # re-raised in the capture loop
                 self._error = e
 
@@ -177,7 +186,11 @@ class _Drain:
         """Queue one block of rows: host arrays as they are, device tensors copied asynchronously."""
         if self._error is not None:
             raise self._error
-        if self._cuda:
+        lent = self._lend(host, device)
+        if lent is not None:
+            views, event = lent
+            host, copies = {}, views
+        elif self._cuda:
             copies = {}
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
             with torch.cuda.stream(self._stream):
@@ -194,12 +207,54 @@ class _Drain:
         self._queue.put((event, host, copies))
         self.blocked_s += time.perf_counter() - start
 
+    def _lend(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]):
+        """Copy one block of rows into the sink's shared memory: (its views, the device copies'
+        event or None), or None where there is no such memory or the device cannot write there."""
+        if self._block is None:
+            return None
+        columns = {k: (v.dtype, v.shape) for k, v in host.items()}
+        columns.update({k: (_numpy_dtype(t.dtype), tuple(t.shape)) for k, t in device.items()})
+        block = self._block(columns)
+        if self._cuda and not _registered(block.slab):
+            self._block = None  # from now on the pinned buffers' way; this block goes back at the writer's close
+            return None
+        for k, v in host.items():
+            block.views[k][...] = v
+        if not self._cuda:
+            for k, t in device.items():
+                torch.from_numpy(block.views[k]).copy_(t)
+            return block.views, None
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            for k, t in device.items():
+                torch.from_numpy(block.views[k]).copy_(t, non_blocking=True)
+                t.record_stream(self._stream)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return block.views, event
+
     def close(self) -> None:
         """Wait until everything queued is written; re-raise a writer error."""
         self._queue.put(None)
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def _registered(slab) -> bool:
+    """Register a :class:`~traces.capture.writer.Slab` with CUDA (once), so the device copies
+    rows into it asynchronously; False where the driver refused (the rows then take the pinned
+    buffers' way)."""
+    if slab.pinned is None:
+        cudart = torch.cuda.cudart()
+        slab.pinned = int(cudart.cudaHostRegister(slab.address, slab.size, 0)) == 0
+        if slab.pinned:
+            slab.on_close.append(lambda: cudart.cudaHostUnregister(slab.address))
+    return slab.pinned
 
 
 def _sort_descending(values: torch.Tensor) -> torch.Tensor:
@@ -508,10 +563,12 @@ def check_config(cfg: CaptureConfig) -> None:
 
 
 def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=None,
-                    logits_are_probs: bool = False) -> dict:
+                    logits_are_probs: bool = False, block=None) -> dict:
     """Record ``windows`` through ``model`` and pass every block of rows to ``write(rows)``.
 
-    ``write`` runs on the drain thread; the rows are in stored form (:class:`Rows`). Returns
+    ``write`` runs on the drain thread; the rows are in stored form (:class:`Rows`). ``block``
+    (optional, the writer's :meth:`~traces.capture.writer.ParallelTraceWriter.block`) lends shared
+    memory for each block's rows, which the device writes straight into (:class:`_Drain`). Returns
     ``{"tokens", "seconds", "tokens_per_s", "blocked_s"}`` (wall time including the writes;
     ``blocked_s`` of it the loop waited for ``write``).
     """
@@ -519,7 +576,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     missing = None
     if storage.lookahead:
         missing = torch.from_numpy(lookahead_missing(len(sites), storage.lookahead.depth)).to(model.device)
-    drain = _Drain(write, model.device)
+    drain = _Drain(write, model.device, block=block)
     counted = [0]
 
     def stored(routing: StepRouting, slots: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -592,7 +649,7 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
             open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg)) as writer, \
             _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
-                                probs)
+                                probs, block=writer.block if cfg.shared_rows else None)
     seconds = time.perf_counter() - start  # end to end: the last units encoded and joined too
     stats.update(
         seconds=seconds,

@@ -74,5 +74,8 @@ class CaptureConfig:
     # writer's threads and processes on the others (traces.capture.cores). Off by default: a model
     # with layers offloaded to the CPU would run them on that one core
     pin_threads: bool = False
+    # rows go from the device straight into shared memory that the encoder processes read in place
+    # (registered with CUDA once per slab); false: through torch's pinned buffers, copied once more
+    shared_rows: bool = True
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal
