@@ -146,6 +146,10 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "capture_tokens_per_s": round(tokens / t_cap),
         "hooks_overhead_pct": round(100 * (t_hooks / t_fwd - 1), 1),
         "capture_overhead_pct": round(100 * (t_cap / t_fwd - 1), 1),
+        # the median over the rounds of each round's capture / forward: on a host whose speed moves
+        # from pass to pass, the ratio of the medians and this can differ by several points
+        "capture_overhead_by_round_pct": _by_round(rounds["capture"], rounds["forward"]),
+        "hooks_overhead_by_round_pct": _by_round(rounds["hooks"], rounds["forward"]),
         # the capture without its close: what a capture converges to as it grows, while the loop
         # never waits for the writer (the close encodes the units still pending, a fixed tail)
         "capture_loop_overhead_pct": round(100 * ((t_cap - close) / t_fwd - 1), 1),
@@ -158,6 +162,11 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         # shared memory; the encoder and joiner processes are not counted)
         "cpu_s": cpu,
     }
+
+
+def _by_round(times: list[float], forward: list[float]) -> float:
+    """Overhead in % of the median round: the median over the rounds of ``times`` / ``forward``."""
+    return round(100 * (statistics.median(t / f for t, f in zip(times, forward, strict=True)) - 1), 1)
 
 
 def _workers(cfg: CaptureConfig) -> int:
@@ -272,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
               f"model's CPU "
               f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
               f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
-              f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %; "
+              f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %, "
+              f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; "
               f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
               f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads: "
               + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f}" for k, v in r["cpu_s"].items()),

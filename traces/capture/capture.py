@@ -568,7 +568,9 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
 
     ``write`` runs on the drain thread; the rows are in stored form (:class:`Rows`). ``block``
     (optional, the writer's :meth:`~traces.capture.writer.ParallelTraceWriter.block`) lends shared
-    memory for each block's rows, which the device writes straight into (:class:`_Drain`). Returns
+    memory for each block's rows, which the device writes straight into (:class:`_Drain`); the
+    rows ``write`` gets are then views of that memory, lent again once the writer has them in the
+    file: copy what is to be kept beyond that. Returns
     ``{"tokens", "seconds", "tokens_per_s", "blocked_s"}`` (wall time including the writes;
     ``blocked_s`` of it the loop waited for ``write``).
     """
