@@ -421,7 +421,8 @@ def lookahead_reference(sites, hidden, source: str, j: int, d: int) -> np.ndarra
 
 
 def capture_file(model, wins, path, **cfg_fields):
-    """Capture ``wins`` into ``path`` through the capture's own writer; returns (meta, chunk)."""
+    """Capture ``wins`` into ``path`` through the capture's own writer and, as moe-capture does by
+    default, the writer's shared memory (``shared_rows``); returns (meta, chunk)."""
     from traces.capture.capture import build_meta, open_writer
     from traces.format import read_trace
 
@@ -429,7 +430,8 @@ def capture_file(model, wins, path, **cfg_fields):
     sites = find_routers(model)
     meta = build_meta(model, sites, "tiny", ["a", "b"], cfg, {})
     with open_writer(path, meta, workers=3) as writer:
-        capture_windows(model, sites, wins, cfg, lambda rows: writer.write(**rows.columns()))
+        capture_windows(model, sites, wins, cfg, lambda rows: writer.write(**rows.columns()),
+                        block=writer.block if cfg.shared_rows else None)
     return read_trace(path)
 
 
@@ -489,11 +491,11 @@ def test_lookahead_in_generation_follows_the_kv_cache_decode(tmp_path):
                                        np.take_along_axis(ref, ids, -1), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize(("processes", "shared"), [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize(("processes", "shared"), [(False, "no"), (False, "yes"), (True, "yes"), (True, "refused")])
 def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, processes, shared):
     """Top-R on the device and row groups encoded in parallel give the trace the host path gave;
     also with the rows written into the writer's shared memory (``shared``), where the encoder
-    threads or processes read them in place."""
+    threads or processes read them in place, and where the writer has no room for them."""
     from traces.capture.capture import build_meta
     from traces.format import TraceWriter, read_trace
 
@@ -507,7 +509,8 @@ def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, processes,
     # now: the capture's defaults with small units, so the file joins many parts
     with open_writer_units(tmp_path / "now.parquet", meta, unit_tokens=5, processes=processes) as writer:
         capture_windows(model, sites, wins, CaptureConfig(logits="top:5", batch_size=4),
-                        lambda rows: writer.write(**rows.columns()), block=writer.block if shared else None)
+                        lambda rows: writer.write(**rows.columns()),
+                        block={"no": None, "yes": writer.block, "refused": lambda columns: None}[shared])
     before, now = read_trace(tmp_path / "before.parquet"), read_trace(tmp_path / "now.parquet")
     assert before[0] == now[0]
     for name in ("seq", "pos", "phase", "token_id", "domain", "experts", "gates", "logits", "nll"):

@@ -374,3 +374,25 @@ def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_aga
     for name in ("seq", "pos", "experts", "gates", "logits", "nll", "lookahead_logits", "lookahead_ids"):
         np.testing.assert_array_equal(getattr(one[1], name), getattr(many[1], name), err_msg=name)
     assert recorded_content_hash(path) == recorded_content_hash(tmp_path / "one.parquet") is not None
+
+
+def test_shared_memory_without_room_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A /dev/shm smaller than a slab (a container's default): ``block`` gives None, so the
+    producer writes plain arrays, and leaves no file behind; the trace is written as ever."""
+    import errno
+
+    from traces.capture import writer as W
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(W.os, "posix_fallocate", full, raising=False)
+    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(W.tempfile.gettempdir())
+    before = set(folder.glob("moe-trace-rows-*"))
+    meta, cols = trace_columns()
+    path = tmp_path / "t.parquet"
+    with ParallelTraceWriter(path, meta, unit_tokens=64, workers=2) as writer:
+        assert writer.block({"seq": (np.dtype(np.int32), (1 << 28,))}) is None
+        writer.write(**cols)
+    assert set(folder.glob("moe-trace-rows-*")) == before
+    np.testing.assert_array_equal(read_trace(path)[1].experts, cols["experts"])

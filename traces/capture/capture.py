@@ -215,6 +215,9 @@ class _Drain:
         columns = {k: (v.dtype, v.shape) for k, v in host.items()}
         columns.update({k: (_numpy_dtype(t.dtype), tuple(t.shape)) for k, t in device.items()})
         block = self._block(columns)
+        if block is None:  # no room in shared memory: the pinned buffers' way from now on
+            self._block = None
+            return None
         if self._cuda and not _registered(block.slab):
             self._block = None  # from now on the pinned buffers' way; this block goes back at the writer's close
             return None

@@ -64,6 +64,16 @@ def default_workers() -> int:
     return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
 
 
+def _reserve(fd: int, nbytes: int) -> None:
+    """Size a new shared file, its pages reserved where the system can: a /dev/shm smaller than
+    asked for (a container's default is 64 MiB) then fails here with ENOSPC instead of killing
+    the process with SIGBUS at the first write past its end."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, nbytes)
+    else:
+        os.ftruncate(fd, nbytes)
+
+
 class _Shared:
     """A file in shared memory (/dev/shm where there is one), mapped; both processes map it by path."""
 
@@ -71,7 +81,12 @@ class _Shared:
         if path is None:
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
             fd, path = tempfile.mkstemp(prefix=prefix, dir=folder)
-            os.ftruncate(fd, nbytes)
+            try:
+                _reserve(fd, nbytes)
+            except OSError:
+                os.close(fd)
+                Path(path).unlink(missing_ok=True)
+                raise
         else:
             fd = os.open(path, os.O_RDWR)
         self.path, self.size = path, nbytes
@@ -502,14 +517,18 @@ class ParallelTraceWriter:
         for t in self._threads:
             t.start()
 
-    def block(self, columns: dict[str, tuple[np.dtype, tuple]]) -> RowBlock:
+    def block(self, columns: dict[str, tuple[np.dtype, tuple]]) -> RowBlock | None:
         """Shared memory for the next rows to write: ``columns`` name -> (dtype, shape), shape[0]
         the tokens. Fill the block's views, then pass them to :meth:`write`. Encoder processes
         read them where they are, so this process does not copy them again (with a device, the
         producer can have the device write them there: :class:`Slab`). The memory is lent until
-        those tokens are in the output."""
+        those tokens are in the output. None where the system has no room for it (a small
+        /dev/shm): write plain arrays then."""
         layout, nbytes = _layout({name: (np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in columns.items()})
-        slab = _lend_slab(nbytes)
+        try:
+            slab = _lend_slab(nbytes)
+        except OSError:
+            return None
         with self._slab_lock:
             slab.remaining = int(next(iter(columns.values()))[1][0])
             self._lent.add(slab)
