@@ -32,7 +32,8 @@ it fills a block of rows in a *slab* (the capture has the GPU copy the rows ther
 registered with CUDA), writes the block's views, and an encoder process is told where each piece
 of its unit lies instead of getting a copy. A slab is lent again once all its tokens are in the
 output; slabs are kept for the process's next writers. On the small Qwen3-Next shape at batch 16
-this took the capture from +33.6 % to +6.2 % over the forward alone, side by side (docs/CAPTURE.md).
+the capture ran +6.2 % and +7.3 % over the forward alone against +33.6 % and +21.0 % with the
+copy, side by side in two runs on the H200 (a third gave +21.2 %; docs/CAPTURE.md).
 """
 from __future__ import annotations
 
