@@ -186,55 +186,50 @@ class _Drain:
         """Queue one block of rows: host arrays as they are, device tensors copied asynchronously."""
         if self._error is not None:
             raise self._error
-        lent = self._lend(host, device)
-        if lent is not None:
-            views, event = lent
+        views = self._lend(host, device)
+        if views is not None:  # every column in the sink's shared memory
             host, copies = {}, views
+            event = self._copy(device, {k: torch.from_numpy(views[k]) for k in device})
         elif self._cuda:
-            copies = {}
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-            with torch.cuda.stream(self._stream):
-                for k, t in device.items():
-                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # cached by torch
-                    buf.copy_(t, non_blocking=True)
-                    t.record_stream(self._stream)  # not reused by the next forward before the copy
-                    copies[k] = buf
-                event = torch.cuda.Event()
-                event.record(self._stream)
+            copies = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in device.items()}  # cached by torch
+            event = self._copy(device, copies)
         else:
             copies, event = {k: t.detach().cpu() for k, t in device.items()}, None
         start = time.perf_counter()
         self._queue.put((event, host, copies))
         self.blocked_s += time.perf_counter() - start
 
-    def _lend(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]):
-        """Copy one block of rows into the sink's shared memory: (its views, the device copies'
-        event or None), or None where there is no such memory or the device cannot write there."""
+    def _lend(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
+        """Views of shared memory from the sink for one block of rows, the host columns copied in;
+        None where there is no such memory or the device cannot write there (then, and from now
+        on, the rows take the pinned buffers' way; a block lent goes back at the writer's close)."""
         if self._block is None:
             return None
         columns = {k: (v.dtype, v.shape) for k, v in host.items()}
         columns.update({k: (_numpy_dtype(t.dtype), tuple(t.shape)) for k, t in device.items()})
         block = self._block(columns)
-        if block is None:  # no room in shared memory: the pinned buffers' way from now on
+        if block is None or (self._cuda and not _registered(block.slab)):
             self._block = None
-            return None
-        if self._cuda and not _registered(block.slab):
-            self._block = None  # from now on the pinned buffers' way; this block goes back at the writer's close
             return None
         for k, v in host.items():
             block.views[k][...] = v
+        return block.views
+
+    def _copy(self, device: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]):
+        """Copy each device tensor into its host target: on a GPU asynchronously, on the drain's
+        stream (returns the event that marks the end), else at once (returns None)."""
         if not self._cuda:
             for k, t in device.items():
-                torch.from_numpy(block.views[k]).copy_(t)
-            return block.views, None
+                targets[k].copy_(t)
+            return None
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
             for k, t in device.items():
-                torch.from_numpy(block.views[k]).copy_(t, non_blocking=True)
-                t.record_stream(self._stream)
+                targets[k].copy_(t, non_blocking=True)
+                t.record_stream(self._stream)  # not reused by the next forward before the copy
             event = torch.cuda.Event()
             event.record(self._stream)
-        return block.views, event
+        return event
 
     def close(self) -> None:
         """Wait until everything queued is written; re-raise a writer error."""
