@@ -661,7 +661,9 @@ def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, fla
 
 def test_bench_rounds_count_the_cpu_of_the_calling_thread_apart_from_the_others():
     """The CPU a pass costs the thread that drives the model is told apart from what the
-    process's other threads (the drain, the writer's) spend beside it."""
+    process's other threads (the drain, the writer's) and its running child processes (the
+    encoders) spend beside it."""
+    import subprocess
     import threading
     import time
 
@@ -680,9 +682,22 @@ def test_bench_rounds_count_the_cpu_of_the_calling_thread_apart_from_the_others(
         t.start()
         t.join()
 
-    *_, cpu = _timed_rounds({"here": busy_here, "elsewhere": busy_elsewhere}, repeats=3)
+    def busy_child():  # a running child, as the writer's encoders are kept between writers
+        child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                                  "while time.process_time() - t < 0.3: pass\ninput()"], stdin=subprocess.PIPE)
+        time.sleep(0.6)  # (spins 0.3 s, then waits for its input)
+        spin.child = child
+
+    def end_child():
+        spin.child.communicate(b"\n")
+
+    *_, cpu = _timed_rounds({"here": busy_here, "elsewhere": busy_elsewhere, "child": busy_child,
+                             "ended": end_child}, repeats=3)
     assert cpu["here"]["main_thread"] >= 0.045 and cpu["here"]["other_threads"] < 0.02
     assert cpu["elsewhere"]["main_thread"] < 0.02 and cpu["elsewhere"]["other_threads"] >= 0.045
+    assert cpu["elsewhere"]["child_processes"] == 0
+    if Path("/proc/self/stat").exists():
+        assert cpu["child"]["child_processes"] >= 0.25 and cpu["child"]["main_thread"] < 0.05
 
 
 def test_bench_rounds_time_a_self_timed_pass_by_its_own_measure():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -72,17 +73,33 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 
     results = {name: call(fn)[1] for name, fn in fns.items()}  # warm-up: kernels, allocator, first writer
     times: dict[str, list[float]] = {name: [] for name in fns}
-    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    cpu: dict[str, list[tuple[float, float, float]]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            process, thread = time.process_time(), time.thread_time()
+            process, thread, children = time.process_time(), time.thread_time(), _children_cpu()
             seconds, results[name] = call(fn)
             times[name].append(seconds)
-            cpu[name].append((time.process_time() - process, time.thread_time() - thread))
+            cpu[name].append((time.process_time() - process, time.thread_time() - thread,
+                              _children_cpu() - children))
     cpu_s = {name: {"main_thread": round(statistics.median(c[1] for c in runs), 3),
-                    "other_threads": round(statistics.median(c[0] - c[1] for c in runs), 3)}
+                    "other_threads": round(statistics.median(c[0] - c[1] for c in runs), 3),
+                    "child_processes": round(statistics.median(c[2] for c in runs), 3)}
              for name, runs in cpu.items()}
     return {name: statistics.median(t) for name, t in times.items()}, results, times, cpu_s
+
+
+def _children_cpu() -> float:
+    """CPU seconds so far of this process's running child processes (the writer's encoders and
+    joiner, kept between writers), from /proc; 0 where there is none."""
+    me, total = str(os.getpid()), 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if fields[1] == me:  # the parent's id
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK") if total else 0.0
 
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
@@ -159,7 +176,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
         # CPU seconds of the measuring process per pass (medians): its main thread, which drives
         # the model, and its other threads (the drain, the writer's: mostly copying rows into
-        # shared memory; the encoder and joiner processes are not counted)
+        # shared memory) and its child processes (the encoders and the joiner; 0 without /proc)
         "cpu_s": cpu,
     }
 

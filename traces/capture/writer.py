@@ -131,10 +131,6 @@ class Slab(_Shared):
         self.on_close: list = []  # the producer's undo of its registration
         self.remaining = 0  # tokens of the block lent in it not encoded yet
 
-    def holds(self, array: np.ndarray) -> bool:
-        start = array.ctypes.data
-        return self.address <= start and start + array.nbytes <= self.address + self.size
-
     def close(self, unlink: bool = False) -> None:
         for undo in self.on_close:
             try:
@@ -150,6 +146,7 @@ SLAB_ROUND = 1 << 20  # slab sizes are rounded up to whole MiB, so one fits the 
 _SLABS: list[Slab] = []  # every slab of this process
 _FREE_SLABS: list[Slab] = []
 _SLAB_LOCK = threading.Lock()
+_SLAB_OF_MAP: dict[int, Slab] = {}  # id of a slab's map -> the slab (:func:`_slab_of`)
 
 
 def _lend_slab(nbytes: int) -> Slab:
@@ -163,6 +160,7 @@ def _lend_slab(nbytes: int) -> Slab:
     slab = Slab(-(-max(nbytes, 1) // SLAB_ROUND) * SLAB_ROUND)
     with _SLAB_LOCK:
         _SLABS.append(slab)
+        _SLAB_OF_MAP[id(slab.map)] = slab
     return slab
 
 
@@ -174,12 +172,24 @@ def _return_slab(slab: Slab) -> None:
 
 
 def _slab_of(piece: dict[str, np.ndarray]) -> Slab | None:
-    """The slab holding every column of ``piece`` (C-contiguous), or None."""
-    arrays = list(piece.values())
-    if not all(a.flags.c_contiguous for a in arrays):
-        return None
-    with _SLAB_LOCK:
-        return next((s for s in _SLABS if all(s.holds(a) for a in arrays)), None)
+    """The slab holding every column of ``piece`` (C-contiguous), or None.
+
+    Found by the memory each view was made on (views of a slab's map, and their slices), not by
+    comparing addresses with every slab: that scan had cost each encoder thread about half its
+    CPU (``python -m traces.capture.writer_cost``), and it holds the interpreter lock the
+    model's thread needs."""
+    slab = None
+    for a in piece.values():
+        if not a.flags.c_contiguous:
+            return None
+        root = a.base
+        while isinstance(root, np.ndarray):
+            root = root.base
+        found = _SLAB_OF_MAP.get(id(root))
+        if found is None or found.map is not root or (slab is not None and found is not slab):
+            return None
+        slab = found
+    return slab
 
 
 def _in_slab(slab: Slab, piece: dict[str, np.ndarray]) -> tuple[str, int, list]:
@@ -323,6 +333,7 @@ def _close_children() -> None:
             slab.close(unlink=True)
         _SLABS.clear()
         _FREE_SLABS.clear()
+        _SLAB_OF_MAP.clear()
 
 
 def _stored_block(stored: dict[str, np.ndarray]) -> tuple[str, int, list]:
