@@ -175,8 +175,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
         # CPU seconds of the measuring process per pass (medians): its main thread, which drives
-        # the model, and its other threads (the drain, the writer's: mostly copying rows into
-        # shared memory) and its child processes (the encoders and the joiner; 0 without /proc)
+        # the model, its other threads (the drain, the writer's) and its child processes (the encoders and the joiner; 0 without /proc)
         "cpu_s": cpu,
     }
 
@@ -301,8 +300,9 @@ def main(argv: list[str] | None = None) -> None:
               f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %, "
               f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; "
               f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
-              f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads: "
-              + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f}" for k, v in r["cpu_s"].items()),
+              f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads / child processes: "
+              + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f} / {v['child_processes']:.2f}"
+                          for k, v in r["cpu_s"].items()),
               flush=True)
     if args.out:
         atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")

@@ -22,9 +22,9 @@ the device and wants the GIL back, it can wait up to a switch interval behind an
 cost captures of a 48-layer model 40 % of their speed on the GPU host. The appending and the
 hash run outside it too, in a *joiner* process: an encoder leaves the unit's stored columns in
 a block of shared memory of their own, and the thread that finds a unit next in order sends the
-joiner its part file, footer and block; the joiner copies the part into the output, hashes the
-block and removes both. What is left in the capturing process per unit is one copy of the
-columns into shared memory and a few small messages (on the 30B shape, the append and the hash
+joiner its part file and block; the joiner reads the part's footer, copies the part into the
+output, hashes the block and removes both. What is left in the capturing process per unit is one
+copy of the columns into shared memory and a few small messages (on the 30B shape, the append and the hash
 had cost it ~30 us of CPU per token, about as much as the forward's own host side at batch 16).
 
 Not even that copy where the producer asks for shared memory first (:meth:`ParallelTraceWriter.block`):
@@ -267,7 +267,7 @@ class _Encoder(_Child):
         self.block: _Shared | None = None
 
     def write_unit(self, part, meta, unit_tokens, after, pieces):
-        """(footer, start, stored block): see :func:`_encode_request`; ``pieces``: the unit's
+        """The stored columns' block: see :func:`_encode_request`; ``pieces``: the unit's
         columns in consecutive parts (:func:`_cut`). Pieces that lie in slabs (:meth:`ParallelTraceWriter.block`)
         are read there by the child; others are copied into this encoder's block one after the other."""
         slabs = [_slab_of(p) for p in pieces]
@@ -369,11 +369,12 @@ class _Mapped:
 
 def _encode_request(state: _Mapped, request):
     """Encoder: write a unit from its pieces in shared memory ((path, size, layout) each, in
-    token order); (footer, start, its stored columns' block)."""
+    token order) as a part file; its stored columns' block (path, size, layout). The part's
+    footer is parsed by the joiner: a parsed footer costs the capturing process, which would pass
+    it on, more to unpickle than the unit's other handling (0.6 ms on the 30B shape)."""
     sources, part, meta, unit_tokens, after = request
     pieces = [_views(state.get(path, size).map, layout) for path, size, layout in sources]
-    footer, start, stored = _write_unit(part, meta, unit_tokens, after, _joined(pieces))
-    return footer, start, _stored_block(stored)
+    return _stored_block(_write_part(part, meta, unit_tokens, after, _joined(pieces)))
 
 
 class _Join:
@@ -384,8 +385,8 @@ class _Join:
 
 
 def _join_request(state: _Join, request):
-    """Joiner: ``("open", path, meta)``; ``("append", part, footer, start, (block path, size,
-    layout))`` (both files are removed whatever happens); ``("end", keep)``: the footer and the
+    """Joiner: ``("open", path, meta)``; ``("append", part, (block path, size, layout))`` (both
+    files are removed whatever happens); ``("end", keep)``: the footer and the
     content hash written (``keep``) or not, the file closed (then a next open)."""
     kind = request[0]
     if kind == "open":
@@ -393,9 +394,9 @@ def _join_request(state: _Join, request):
         state.join, state.content = ParquetJoin(state.file), ContentHash(request[2])
         return None
     if kind == "append":
-        _, part, footer, start, (path, size, layout) = request
+        _, part, (path, size, layout) = request
         try:
-            state.join.append(Path(part), footer, start)
+            state.join.append(Path(part), *read_footer(Path(part)))
             block = _Shared(size, path)
             state.content.update(_views(block.map, layout))
             block.close()
@@ -433,11 +434,10 @@ def _serve(role: str) -> None:
         stdout.flush()
 
 
-def _write_unit(part: Path, meta: TraceMeta, unit_tokens: int, after, cols: dict[str, np.ndarray]):
-    """Write one unit as a trace file without a content hash: (footer, start, stored columns)."""
+def _write_part(part: Path, meta: TraceMeta, unit_tokens: int, after, cols: dict[str, np.ndarray]):
+    """Write one unit as a trace file without a content hash; its stored columns."""
     with TraceWriter(part, meta, row_group_tokens=unit_tokens, record_content=False, after=after) as writer:
-        stored = writer.write(**cols)
-    return (*read_footer(part), stored)
+        return writer.write(**cols)
 
 
 def _cut(blocks: list[dict[str, np.ndarray]], offset: int, n: int):
@@ -470,7 +470,7 @@ def _remove_unit_files(request: tuple | None) -> None:
     """The part file and stored block of a joiner's ``append`` request."""
     if request is not None and request[0] == "append":
         Path(request[1]).unlink(missing_ok=True)
-        Path(request[4][0]).unlink(missing_ok=True)
+        Path(request[2][0]).unlink(missing_ok=True)
 
 
 class ParallelTraceWriter:
@@ -619,10 +619,9 @@ class ParallelTraceWriter:
             part = temp_path(self.path.with_name(f"{self.path.name}.part{index:06d}"))
             try:
                 # with an encoder process, this thread waits for it without the GIL
-                footer, start, stored = (encoder.write_unit(part, self.meta, self.unit_tokens, after, pieces)
-                                         if encoder else
-                                         _write_unit(part, self.meta, self.unit_tokens, after, _joined(pieces)))
-                self._append_in_order(index, (part, footer, start, stored, pieces))
+                stored = (encoder.write_unit(part, self.meta, self.unit_tokens, after, pieces) if encoder
+                          else _write_part(part, self.meta, self.unit_tokens, after, _joined(pieces)))
+                self._append_in_order(index, (part, stored, pieces))
             except InputError as e:  # bad rows: name the file the caller asked for
                 self._error = InputError(str(e).replace(str(part), str(self.path)))
             except BaseException as e:  # re-raised in the writing thread
@@ -634,14 +633,14 @@ class ParallelTraceWriter:
         with self._lock:
             self._finished[index] = unit
             while (unit := self._finished.get(self._appended)) is not None:
-                part, footer, start, stored, pieces = unit
+                part, stored, pieces = unit
                 if self._joiner is not None:  # the joiner removes the part and the stored block
-                    self._to_joiner(("append", str(part), footer, start, stored))
+                    self._to_joiner(("append", str(part), stored))
                 else:
                     if self._join is None:
                         self._file = self._tmp.open("wb")
                         self._join = ParquetJoin(self._file)
-                    self._join.append(part, footer, start)
+                    self._join.append(part, *read_footer(part))
                     self._content.update(stored)  # may be views of the unit's slabs: hashed before they are lent again
                     part.unlink()
                 del self._finished[self._appended]  # only now: a unit that failed is removed by close
@@ -729,7 +728,7 @@ class ParallelTraceWriter:
     def _remove_files(self) -> None:
         """Remove the hidden files: units not appended, and the output unless it was moved to ``path``."""
         self._return_slabs()
-        for part, _, _, stored, _ in self._finished.values():
+        for part, stored, _ in self._finished.values():
             part.unlink(missing_ok=True)
             if isinstance(stored, tuple):  # an encoder process's block, not handed to the joiner
                 Path(stored[0]).unlink(missing_ok=True)
