@@ -13,7 +13,9 @@ in rounds (one pass of each in turn), so that a host whose speed drifts moves al
 - ``pipe_talk``: a thread of this process that sends a small pickled request to a child process
   and reads its pickled answer, ``--messages`` times per second (the writer's pattern);
 - ``busy_processes``: ``--processes`` child processes compressing 1 MiB buffers without pause
-  (the encoders' kind of load, more of it than a capture makes).
+  (CPU cores taken, little memory traffic);
+- ``memory_processes``: as many child processes copying 512 MiB arrays without pause (memory
+  bandwidth and the shared cache taken, as encoders reading rows and writing files take them).
 
 From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/contention_check.py``
 (writes DIR/contention_check.json). Result: docs/capture/contention_check_*.json
@@ -39,6 +41,7 @@ from traces.capture.text import make_windows, read_documents
 ECHO = ("import pickle,sys\nwhile True:\n    try:\n        r = pickle.load(sys.stdin.buffer)\n    except EOFError:\n"
         "        break\n    pickle.dump(r, sys.stdout.buffer); sys.stdout.buffer.flush()")
 BUSY = "import os,zlib\nb=os.urandom(1<<20)\nwhile True:\n    zlib.compress(b, 3)"
+STREAM = "import numpy as np\na=np.ones(1<<26)\nb=np.empty_like(a)\nwhile True:\n    np.copyto(b, a)"
 
 
 class Load:
@@ -101,12 +104,12 @@ def pipe_talk(per_s: int) -> Load:
     return Load(start, end)
 
 
-def busy_processes(n: int) -> Load:
+def busy_processes(n: int, code: str = BUSY) -> Load:
     procs = []
 
     def start():
-        procs.extend(subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(n))
-        time.sleep(0.2)  # running before the pass starts
+        procs.extend(subprocess.Popen([sys.executable, "-c", code]) for _ in range(n))
+        time.sleep(0.5)  # running before the pass starts
 
     def end():
         for p in procs:
@@ -132,7 +135,8 @@ def main() -> None:
     windows, _ = make_windows(read_documents(["docs", "README.md", "traces", "simulator", "analysis", "tests",
                                               "conf"]), tokenizer, 512, max_tokens=args.tokens)
     loads = {"forward": None, "lock_bursts": lock_bursts(args.bursts, args.burst_us),
-             "pipe_talk": pipe_talk(args.messages), "busy_processes": busy_processes(args.processes)}
+             "pipe_talk": pipe_talk(args.messages), "busy_processes": busy_processes(args.processes),
+             "memory_processes": busy_processes(args.processes, STREAM)}
 
     def under(load):
         def fn():
