@@ -175,7 +175,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
         # CPU seconds of the measuring process per pass (medians): its main thread, which drives
-        # the model, its other threads (the drain, the writer's) and its child processes (the encoders and the joiner; 0 without /proc)
+        # the model, its other threads (the drain, the writer's) and its child processes (the
+        # encoders and the joiner; 0 without /proc)
         "cpu_s": cpu,
     }
 

@@ -175,9 +175,8 @@ def _slab_of(piece: dict[str, np.ndarray]) -> Slab | None:
     """The slab holding every column of ``piece`` (C-contiguous), or None.
 
     Found by the memory each view was made on (views of a slab's map, and their slices), not by
-    comparing addresses with every slab: that scan had cost each encoder thread about half its
-    CPU (``python -m traces.capture.writer_cost``), and it holds the interpreter lock the
-    model's thread needs."""
+    comparing every column's address with every slab's: Python in the capturing process holds
+    the interpreter lock the model's thread needs (docs/CAPTURE.md, the contention check)."""
     slab = None
     for a in piece.values():
         if not a.flags.c_contiguous:
@@ -369,9 +368,9 @@ class _Mapped:
 
 def _encode_request(state: _Mapped, request):
     """Encoder: write a unit from its pieces in shared memory ((path, size, layout) each, in
-    token order) as a part file; its stored columns' block (path, size, layout). The part's
-    footer is parsed by the joiner: a parsed footer costs the capturing process, which would pass
-    it on, more to unpickle than the unit's other handling (0.6 ms on the 30B shape)."""
+    token order) as a part file; its stored columns' block (path, size, layout). The joiner
+    parses the part's footer itself, so the capturing process, which hands the unit on, does
+    not unpickle and pickle it again (an entry for every offset the join rewrites)."""
     sources, part, meta, unit_tokens, after = request
     pieces = [_views(state.get(path, size).map, layout) for path, size, layout in sources]
     return _stored_block(_write_part(part, meta, unit_tokens, after, _joined(pieces)))
