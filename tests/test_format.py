@@ -568,3 +568,22 @@ def test_repeated_ids_are_found_in_every_row_that_has_them(k):
     for dtype in (np.int16, np.int32, np.int64):
         assert np.array_equal(_repeats(ids.astype(dtype)), expected)
     assert 0 < expected.mean() < 1 or k == 1
+
+
+@pytest.mark.parametrize("row", [(0, 0), (17, 1), (39, L - 1)])
+def test_a_repeated_top_r_id_is_found_at_its_token_and_layer(row):
+    """The whole-table count finds that some row repeats an id; the first such row is named."""
+    from traces.format import find_problem
+
+    arrays = make_arrays()
+    ids = np.argsort(-arrays["logits"], axis=-1)[..., :R].astype(np.int16)
+    cols = {k: arrays[k] for k in ("seq", "pos", "phase", "experts", "weights")}
+    cols.update(logits=np.take_along_axis(arrays["logits"], ids, -1).astype(np.float16), logit_ids=ids)
+    meta = make_meta(logits_top_r=R, has_residency=False)
+    assert find_problem(meta, cols) is None
+    t, layer = row
+    ids[t, layer, R - 1] = ids[t, layer, 0]  # the last id repeats the first
+    if row != (39, L - 1):  # a later repeat too: the first is named
+        ids[39, L - 1, R - 1] = ids[39, L - 1, 0]
+    problem = find_problem(meta, cols)
+    assert (problem.column, problem.token, problem.layer) == ("logit_ids", t, layer) and "repeats" in problem.what

@@ -575,12 +575,13 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
         if problem:
             return problem
         listed = _id_table(ids, num_experts)  # one table for both checks: R pairs would be R(R-1)/2
-        duplicate = np.count_nonzero(listed, axis=-1) < ids.shape[-1]
-        if duplicate.any():
-            t, layer = first(duplicate)
+        # a repeat leaves fewer flags than ids: counted over the whole table (several times faster
+        # than per row), per row only to find the first
+        if np.count_nonzero(listed) < ids.size:
+            t, layer = first(np.count_nonzero(listed, axis=-1) < ids.shape[-1])
             return Problem("logit_ids", t, layer, f"top-R ids {ids[t, layer].tolist()} repeats an expert",
                            "each token-layer must list R distinct experts")
-        missing = ~np.take_along_axis(listed, experts.astype(np.intp), axis=-1)
+        missing = ~listed.reshape(-1)[_flat_ids(experts, num_experts)].reshape(experts.shape)
         if missing.any():
             t, layer = first(missing.any(axis=-1))
             expert = experts[t, layer][missing[t, layer]][0]
@@ -610,13 +611,19 @@ def _id_table(ids: np.ndarray, num_experts: int) -> np.ndarray:
     """bool[..., E]: the experts each row of ``ids`` (all in 0..E-1) lists. Marking a table of E
     flags per row is faster than comparing pairs of ids once rows are longer than about 16 (and
     reading the selected experts back from it, than comparing each with every listed one)."""
+    table = np.zeros(ids.size // max(ids.shape[-1], 1) * num_experts, bool)
+    table[_flat_ids(ids, num_experts)] = True
+    return table.reshape(*ids.shape[:-1], num_experts)
+
+
+def _flat_ids(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """intp[n, r]: each id of ``ids`` (all in 0..E-1; n rows of r) as an index into a flat table of
+    E flags per row (a gather from it is about twice as fast as ``take_along_axis``)."""
     r = ids.shape[-1]
     n = ids.size // max(r, 1)
     flat = ids.reshape(n, r).astype(np.intp)
     flat += np.arange(0, n * num_experts, num_experts, dtype=np.intp)[:, None]
-    table = np.zeros(n * num_experts, bool)
-    table[flat] = True
-    return table.reshape(*ids.shape[:-1], num_experts)
+    return flat
 
 
 def _is_nan(values: np.ndarray) -> np.ndarray:
