@@ -51,17 +51,8 @@ class Load:
         self.start, self.stop = start, stop
 
 
-def lock_bursts(per_s: int, burst_us: float) -> Load:
-    stop = threading.Event()
-
-    def run():
-        period, burst = 1.0 / per_s, burst_us * 1e-6
-        while not stop.is_set():
-            t = time.perf_counter()
-            while time.perf_counter() - t < burst:  # holds the lock, as Python code does
-                pass
-            time.sleep(max(period - burst, 0.0))
-
+def thread_load(run, stop: threading.Event) -> Load:
+    """A load that runs ``run`` in a thread of this process until ``stop`` is set."""
     thread = [None]
 
     def start():
@@ -74,6 +65,20 @@ def lock_bursts(per_s: int, burst_us: float) -> Load:
         thread[0].join()
 
     return Load(start, end)
+
+
+def lock_bursts(per_s: int, burst_us: float) -> Load:
+    stop = threading.Event()
+
+    def run():
+        period, burst = 1.0 / per_s, burst_us * 1e-6
+        while not stop.is_set():
+            t = time.perf_counter()
+            while time.perf_counter() - t < burst:  # holds the lock, as Python code does
+                pass
+            time.sleep(max(period - burst, 0.0))
+
+    return thread_load(run, stop)
 
 
 def pipe_talk(per_s: int) -> Load:
@@ -90,18 +95,7 @@ def pipe_talk(per_s: int) -> Load:
             pickle.load(child.stdout)
             time.sleep(max(period - (time.perf_counter() - t), 0.0))
 
-    thread = [None]
-
-    def start():
-        stop.clear()
-        thread[0] = threading.Thread(target=run, daemon=True)
-        thread[0].start()
-
-    def end():
-        stop.set()
-        thread[0].join()
-
-    return Load(start, end)
+    return thread_load(run, stop)
 
 
 def busy_processes(n: int, code: str = BUSY) -> Load:
