@@ -1,6 +1,8 @@
 """The capture's parallel trace writer and the Parquet row-group join under it (no torch needed)."""
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from traces.capture.concat import concat_parquet, read_footer
+from traces.capture.concat import ParquetJoin, concat_parquet, read_footer
 from traces.capture.writer import ParallelTraceWriter
 from traces.cli import main as cli_main
 from traces.errors import InputError
@@ -144,6 +146,39 @@ def test_joined_file_is_the_parts_one_after_the_other(tmp_path):
     with pytest.raises(ValueError, match="schema or metadata differs"):
         concat_parquet([parts[0], other], tmp_path / "bad.parquet")
     assert not (tmp_path / "bad.parquet").exists()
+
+
+def test_parts_copied_by_the_kernel_or_through_memory_give_the_same_file(tmp_path, monkeypatch):
+    meta, cols = trace_columns(tokens=120, seed=3)
+    parts = []
+    for i, block in enumerate(blocks(cols, [50, 70])):
+        parts.append(tmp_path / f"part{i}.parquet")
+        with TraceWriter(parts[-1], meta, row_group_tokens=25) as writer:
+            writer.write(**block)
+    concat_parquet(parts, tmp_path / "kernel.parquet")
+    kernel_calls = []
+
+    def refused(*args):
+        kernel_calls.append(args)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    concat_parquet(parts, tmp_path / "memory.parquet")
+    assert len(kernel_calls) == len(parts)  # asked once per part, then copied through memory
+    assert (tmp_path / "kernel.parquet").read_bytes() == (tmp_path / "memory.parquet").read_bytes()
+    assert pq.read_table(tmp_path / "memory.parquet").equals(pa.concat_tables([pq.read_table(p) for p in parts]))
+    monkeypatch.undo()
+    footer, start = read_footer(parts[1])
+    with parts[1].open("r+b") as f:  # cut short after its footer was read
+        f.truncate(start // 2)
+    for name in ("kernel", "memory"):
+        if name == "memory":
+            monkeypatch.setattr(os, "copy_file_range", refused)
+        with open(tmp_path / f"cut_{name}.parquet", "wb") as out:
+            join = ParquetJoin(out)
+            join.append(parts[0], *read_footer(parts[0]))
+            with pytest.raises(ValueError, match="part1.parquet ends before its footer"):
+                join.append(parts[1], footer, start)
 
 
 @pytest.mark.parametrize("processes", [False, True])
