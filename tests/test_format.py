@@ -587,3 +587,44 @@ def test_a_repeated_top_r_id_is_found_at_its_token_and_layer(row):
         ids[39, L - 1, R - 1] = ids[39, L - 1, 0]
     problem = find_problem(meta, cols)
     assert (problem.column, problem.token, problem.layer) == ("logit_ids", t, layer) and "repeats" in problem.what
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_pass_top_r_check_agrees_with_the_numpy_checks(seed):
+    """traces.fastcheck gates the NumPy checks: it must say "bad" exactly where they name a problem."""
+    from traces.fastcheck import top_r_ids_ok
+    from traces.format import _top_r_problem
+
+    rng = np.random.default_rng(seed)
+    outcomes = set()
+    for _ in range(60):
+        experts_n = int(rng.choice([8, 63, 64, 65, 130, 512]))
+        k = int(rng.integers(1, min(8, experts_n) + 1))
+        r = int(rng.integers(k, min(70, experts_n) + 1))
+        n, layers = int(rng.integers(1, 12)), int(rng.integers(1, 4))
+        ids = np.argsort(rng.random((n, layers, experts_n)), axis=-1)[..., :r]
+        experts = ids[..., rng.permutation(r)[:k]].copy()  # the selected experts are among the ids
+        t, layer = int(rng.integers(n)), int(rng.integers(layers))
+        fault = rng.integers(5)
+        if fault == 1:  # an id out of range
+            ids[t, layer, rng.integers(r)] = rng.choice([-1, experts_n, experts_n + 64])
+        elif fault == 2 and r > 1:  # a repeat
+            i, j = rng.choice(r, 2, replace=False)
+            ids[t, layer, i] = ids[t, layer, j]
+        elif fault == 3 and r < experts_n:  # a selected expert the ids do not list
+            absent = np.setdiff1d(np.arange(experts_n), ids[t, layer])
+            experts[t, layer, rng.integers(k)] = rng.choice(absent)
+        ids, experts = ids.astype(rng.choice([np.int16, np.int32, np.int64])), experts.astype(np.int16)
+        if fault == 4:  # strided views, as of a wider array
+            wide = np.zeros((n, layers, 2 * r), ids.dtype)
+            wide[..., ::2], ids = ids, wide[..., ::2]
+            experts = np.repeat(experts, 2, axis=-1)[..., ::2]
+
+        def first(mask, layers=layers):
+            flat = int(np.argmax(mask.reshape(-1)))
+            return flat // layers, flat % layers
+
+        expected = _top_r_problem(ids, experts, experts_n, first) is None
+        assert top_r_ids_ok(ids, experts, experts_n) == expected, (fault, experts_n, r, k)
+        outcomes.add(expected)
+    assert outcomes == {True, False}

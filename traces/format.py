@@ -570,23 +570,10 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             return Problem("logits", t, layer, "router logits contain NaN",
                            "re-capture in a precision that does not overflow, or drop the logits")
     ids = cols.get("logit_ids")
-    if ids is not None:
-        problem = _range_problem("logit_ids", ids, num_experts, first)
+    if ids is not None and not _top_r_ids_ok(ids, experts, num_experts):
+        problem = _top_r_problem(ids, experts, num_experts, first)
         if problem:
             return problem
-        listed = _id_table(ids, num_experts)  # one table for both checks: R pairs would be R(R-1)/2
-        # a repeat leaves fewer flags than ids: counted over the whole table (several times faster
-        # than per row), per row only to find the first
-        if np.count_nonzero(listed) < ids.size:
-            t, layer = first(np.count_nonzero(listed, axis=-1) < ids.shape[-1])
-            return Problem("logit_ids", t, layer, f"top-R ids {ids[t, layer].tolist()} repeats an expert",
-                           "each token-layer must list R distinct experts")
-        missing = ~listed.reshape(-1)[_flat_ids(experts, num_experts)].reshape(experts.shape)
-        if missing.any():
-            t, layer = first(missing.any(axis=-1))
-            expert = experts[t, layer][missing[t, layer]][0]
-            return Problem("logit_ids", t, layer, f"selected expert {expert} is not among the top-R ids "
-                           f"{ids[t, layer].tolist()}", "store the logits of every selected expert")
     problem = _lookahead_problem(meta, cols, first)
     if problem:
         return problem
@@ -604,6 +591,34 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             t = int(np.argmax(bad))
             return Problem("domain", t, None, f"index {domain[t]} has no name in the metadata's "
                            f"{len(meta.domains)} domains", "list every domain name in meta.domains")
+    return None
+
+
+def _top_r_ids_ok(ids: np.ndarray, experts: np.ndarray, num_experts: int) -> bool:
+    """The one-pass check (``traces.fastcheck``), imported on first use: a trace without top-R ids
+    never loads Numba."""
+    from traces.fastcheck import top_r_ids_ok
+    return top_r_ids_ok(ids, experts, num_experts)
+
+
+def _top_r_problem(ids: np.ndarray, experts: np.ndarray, num_experts: int, first) -> Problem | None:
+    """The first token-layer whose top-R ids leave 0..E-1, repeat one or miss a selected expert."""
+    problem = _range_problem("logit_ids", ids, num_experts, first)
+    if problem:
+        return problem
+    listed = _id_table(ids, num_experts)  # one table for both checks: R pairs would be R(R-1)/2
+    # a repeat leaves fewer flags than ids: counted over the whole table (several times faster
+    # than per row), per row only to find the first
+    if np.count_nonzero(listed) < ids.size:
+        t, layer = first(np.count_nonzero(listed, axis=-1) < ids.shape[-1])
+        return Problem("logit_ids", t, layer, f"top-R ids {ids[t, layer].tolist()} repeats an expert",
+                       "each token-layer must list R distinct experts")
+    missing = ~listed.reshape(-1)[_flat_ids(experts, num_experts)].reshape(experts.shape)
+    if missing.any():
+        t, layer = first(missing.any(axis=-1))
+        expert = experts[t, layer][missing[t, layer]][0]
+        return Problem("logit_ids", t, layer, f"selected expert {expert} is not among the top-R ids "
+                       f"{ids[t, layer].tolist()}", "store the logits of every selected expert")
     return None
 
 
