@@ -434,6 +434,9 @@ def test_top_r_logits_round_trip(top_r_file, tmp_path, capsys):
     assert schema.field("logits").type.byte_width == 2 * R and schema.field("logit_ids").type.byte_width == 2 * R
     stored = column_values(pq.read_table(top_r_file).column("logits").combine_chunks(), "logits")
     assert (np.diff(stored.astype(np.float32), axis=-1) <= 0).all()  # descending
+    group = pq.ParquetFile(top_r_file).metadata.row_group(0)  # no min/max of a token-layer's bytes
+    described = {group.column(i).path_in_schema: group.column(i).is_stats_set for i in range(group.num_columns)}
+    assert described["pos"] and not any(described[c] for c in ("experts", "weights", "logits", "logit_ids"))
     top = np.argsort(-arrays["logits"], axis=-1)[..., :R]
     assert chunk.logits.dtype == np.float32 and chunk.logits.shape == (40, L, E)
     np.testing.assert_array_equal(chunk.logits, top_r_expected(arrays["logits"], top))

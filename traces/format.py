@@ -1180,8 +1180,8 @@ class TraceWriter:
 
 def parquet_options(schema: pa.Schema) -> dict:
     """Writer settings: LZ4 for the logits (see *Logits encoding*), zstd and byte-stream-split
-    for the float columns, zstd and dictionaries for the integers, and a CRC-32 checksum on
-    every page (verified by the reader)."""
+    for the float columns, zstd and dictionaries for the integers, a CRC-32 checksum on every
+    page (verified by the reader), and min/max statistics for every column but the binary ones."""
     def leaf(f: pa.Field) -> tuple[str, pa.DataType]:
         nested = pa.types.is_fixed_size_list(f.type)
         return (f"{f.name}.list.element", f.type.value_type) if nested else (f.name, f.type)
@@ -1189,9 +1189,13 @@ def parquet_options(schema: pa.Schema) -> dict:
     leaves = [leaf(f) for f in schema]
     floats = [name for name, t in leaves if pa.types.is_floating(t)]
     integers = [name for name, t in leaves if pa.types.is_integer(t)]
+    # the min and max of binary values (a token-layer's bytes) tell a reader nothing: not computed
+    # (1.8 of 24 ms of a 3,206-token unit's encoding with top-64 logits, 2 cores)
+    described = [name for name, t in leaves if not pa.types.is_fixed_size_binary(t)]
     # dictionary encoding would take precedence over byte-stream-split: integers only
     return {"compression": {name: "lz4" if name == "logits" else "zstd" for name, _ in leaves},
-            "use_dictionary": integers, "use_byte_stream_split": floats, "write_page_checksum": True}
+            "use_dictionary": integers, "use_byte_stream_split": floats, "write_page_checksum": True,
+            "write_statistics": described}
 
 
 def repack_trace(src: str | os.PathLike, dst: str | os.PathLike, logits_quantum: float | None = None,
