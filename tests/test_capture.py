@@ -626,14 +626,14 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     out = tmp_path / "bench.json"
     bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
                 "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
-                "--lookahead-depth", "1", "--writers", "2", "--writer", "processes,threads", "--unit-tokens", "30",
+                "--lookahead-depth", "1", "--writers", "2,1", "--writer", "processes,threads", "--unit-tokens", "30",
                 "--shared-rows", "1,0", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert [(r["writer"], r["batch_size"], r["shared_rows"]) for r in result["runs"]] == [
-        (w, b, s) for w in ("processes", "threads") for b in (1, 4) for s in (True, False)]
+    assert [(r["writer"], r["writers"], r["batch_size"], r["shared_rows"]) for r in result["runs"]] == [
+        (w, n, b, s) for w in ("processes", "threads") for n in (2, 1) for b in (1, 4) for s in (True, False)]
     assert result["device"] == "cpu"
     for r in result["runs"]:
-        assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x") and r["writers"] == 2
+        assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x")
         assert r["tokens"] == 200 and r["unit_tokens"] == 30 and r["open_s"] >= 0
         # the overhead is the time ratio of the two rates (each rounded to a whole token/s)
         fwd, cap = r["forward_tokens_per_s"], r["capture_tokens_per_s"]
@@ -643,13 +643,15 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         (c,), (f,) = r["rounds_s"]["capture"], r["rounds_s"]["forward"]
         assert (c - 5e-4) / (f + 5e-4) - 1e-3 <= 1 + r["capture_overhead_by_round_pct"] / 100 <= (c + 5e-4) / (f - 5e-4) + 1e-3
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert len(table) == 8 and [line.split("|")[3:5] for line in table][3:5] == [
-        [" 2 processes, 30-token units, rows copied ", " 4 "], [" 2 threads, 30-token units, rows shared in place ", " 1 "]]
+    assert len(table) == 16 and [line.split("|")[3:5] for line in table][3:5] + [table[8].split("|")[3:5]] == [
+        [" 2 processes, 30-token units, rows copied ", " 4 "], [" 1 processes, 30-token units, rows shared in place ", " 1 "],
+        [" 2 threads, 30-token units, rows shared in place ", " 1 "]]
 
 
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
                                              (["--repeats", "0"], "--repeats 0: rounds must be at least 1"),
                                              (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers"),
+                                             (["--writers", "4,x"], "--writers 4,x: give whole numbers"),
                                              (["--shared-rows", "1,yes"], "--shared-rows 1,yes: give 1 or 0")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
     from traces.capture import bench

@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"logits storages to measure, comma-separated (default: moe-capture's, {defaults.logits})")
     p.add_argument("--lookahead-depth", type=int, default=0,
                    help="also record look-ahead routing this many layers ahead (moe-capture's other defaults)")
-    p.add_argument("--writers", type=int, default=defaults.writers, help="encoders; 0: moe-capture's default")
+    p.add_argument("--writers", default=str(defaults.writers),
+                   help="encoders, comma-separated to compare; 0: moe-capture's default")
     p.add_argument("--writer", default=defaults.writer,
                    help=f"encoders in processes or threads, comma-separated (default: {defaults.writer})")
     p.add_argument("--unit-tokens", default="0",
@@ -264,6 +265,12 @@ def main(argv: list[str] | None = None) -> None:
         units = [-1]
     if min(units) < 0:
         p.error(f"--unit-tokens {args.unit_tokens}: give whole numbers >= 0, comma-separated")
+    try:
+        encoders = [int(w) for w in args.writers.split(",")]
+    except ValueError:
+        encoders = [-1]
+    if min(encoders) < 0:
+        p.error(f"--writers {args.writers}: give whole numbers >= 0, comma-separated")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
     pins, shares = args.pin_threads.split(","), args.shared_rows.split(",")
@@ -286,10 +293,10 @@ def main(argv: list[str] | None = None) -> None:
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
-    for logits, writer, bs, unit, pin, share in itertools.product(
-            args.logits.split(","), args.writer.split(","), (int(x) for x in args.batch_sizes.split(",")), units,
-            pins, shares):
-        cfg = replace(defaults, logits=logits, batch_size=bs, writers=args.writers, writer=writer,
+    for logits, writer, workers, bs, unit, pin, share in itertools.product(
+            args.logits.split(","), args.writer.split(","), encoders, (int(x) for x in args.batch_sizes.split(",")),
+            units, pins, shares):
+        cfg = replace(defaults, logits=logits, batch_size=bs, writers=workers, writer=writer,
                       lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window),
                       pin_threads=pin == "1", shared_rows=share == "1")
         r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
