@@ -631,3 +631,19 @@ def test_the_one_pass_top_r_check_agrees_with_the_numpy_checks(seed):
         assert top_r_ids_ok(ids, experts, experts_n) == expected, (fault, experts_n, r, k)
         outcomes.add(expected)
     assert outcomes == {True, False}
+
+
+def test_a_writer_keeps_no_view_of_a_write_it_flushed_part_of(tmp_path):
+    """One write of 1.5 row groups flushes one and keeps the rest: a copy, since the caller may
+    fill its arrays again (as the capture's encoders do) before the next write."""
+    arrays = make_arrays(tokens=40)
+    first = {k: v[:30].copy() for k, v in arrays.items()}
+    path = tmp_path / "t.parquet"
+    with TraceWriter(path, make_meta(), row_group_tokens=20) as writer:
+        writer.write(**first)
+        for v in first.values():  # the caller's buffers, filled with something else
+            v[...] = v[::-1] if v.ndim == 1 else 0
+        writer.write(**{k: v[30:] for k, v in arrays.items()})
+    _, chunk = read_trace(path)
+    np.testing.assert_array_equal(chunk.experts, arrays["experts"])
+    np.testing.assert_array_equal(chunk.pos, arrays["pos"])

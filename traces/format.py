@@ -1132,14 +1132,15 @@ class TraceWriter:
             self._writer = pq.ParquetWriter(self._tmp, self._schema, **parquet_options(self._schema))
         if not self._pending:
             return
-        merged = {name: np.concatenate([c[name] for c in self._pending]) for name in self._pending[0]}
+        merged = self._pending[0] if len(self._pending) == 1 else {  # one write: no copy
+            name: np.concatenate([c[name] for c in self._pending]) for name in self._pending[0]}
         n = merged["seq"].shape[0]
         whole = n if final else n - n % self.row_group_tokens
         for start in range(0, whole, self.row_group_tokens):
             part = {name: v[start:start + self.row_group_tokens] for name, v in merged.items()}
             table = _to_table(self.meta, part, self._schema)
             self._writer.write_table(table, row_group_size=table.num_rows)
-        rest = {name: v[whole:] for name, v in merged.items()}
+        rest = {name: v[whole:].copy() for name, v in merged.items()}  # the caller may fill its arrays again
         self._pending = [rest] if whole < n else []
         self._pending_tokens = n - whole
 
