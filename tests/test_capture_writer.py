@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -375,20 +376,31 @@ def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(c
     assert e.value.code == 2 and "--forwards" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("processes", [False, True])
-def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_again(tmp_path, monkeypatch, processes):
+@pytest.mark.parametrize(("processes", "as_stored"), [(False, False), (True, False), (True, True)])
+def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_again(tmp_path, monkeypatch, processes,
+                                                                                  as_stored):
     """Blocks filled in the writer's slabs (``ParallelTraceWriter.block``): encoder processes are
     told where the rows lie instead of getting a copy; a slab is lent again once all its tokens
     are in the file (and hashed), so 60 blocks need a few slabs; the file, content hash included,
-    is the one a single writer makes of the same rows."""
+    is the one a single writer makes of the same rows. Rows given as they are stored (top R
+    selected, on-disk dtypes, as moe-capture gives them: ``as_stored``) are hashed by the joiner
+    in the slabs; others, stored converted, from a block of their own."""
     from traces.capture import writer as W
 
     meta, cols = trace_columns(tokens=600)
     with TraceWriter(tmp_path / "one.parquet", meta) as writer:
-        writer.write(**cols)
-    sent = []
-    real_send = W._Encoder.send
+        stored = writer.write(**cols)
+    if as_stored:
+        cols = {name: v.copy() for name, v in stored.items()}
+    sent, joined = [], []
+    real_send, real_join = W._Encoder.send, W._Joiner.send
     monkeypatch.setattr(W._Encoder, "send", lambda self, request: (sent.append(request), real_send(self, request))[1])
+    monkeypatch.setattr(W._Joiner, "send", lambda self, request: (joined.append(request), real_join(self, request))[1])
+    before = stray_blocks()
+    givers = []  # the threads that give slabs back: the joiner's replies, where it hashes in them
+    real_give = ParallelTraceWriter._appended_pieces
+    monkeypatch.setattr(ParallelTraceWriter, "_appended_pieces", lambda self, pieces: (
+        givers.append(threading.current_thread().name) if pieces else None, real_give(self, pieces))[1])
     lent = set()
     path = tmp_path / "lent.parquet"
     # one encoder: at most 4 units (28 tokens) are queued or being encoded at a time, so at most
@@ -406,6 +418,11 @@ def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_aga
     if processes:
         assert len(sent) == -(-600 // 7)
         assert all(Path(source[0]).name.startswith("moe-trace-rows-") for request in sent for source in request[0])
+        appended = [request[2] for request in joined if request[0] == "append"]
+        assert len(appended) == len(sent)
+        assert {where for where, _ in appended} == {"slabs" if as_stored else "block"}
+        assert stray_blocks() == before and all(slab.path and Path(slab.path).exists() for slab in lent)
+        assert set(givers) == ({"trace-joiner"} if as_stored else {"trace-encoder-0"})
     one, many = read_trace(tmp_path / "one.parquet"), read_trace(path)
     for name in ("seq", "pos", "experts", "gates", "logits", "nll", "lookahead_logits", "lookahead_ids"):
         np.testing.assert_array_equal(getattr(one[1], name), getattr(many[1], name), err_msg=name)
