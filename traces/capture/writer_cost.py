@@ -51,12 +51,13 @@ def writer_cpu(forwards: int, passes: int, workers: int) -> list[tuple[float, fl
             with ParallelTraceWriter(Path(folder) / f"pass{n}.parquet", meta, unit_tokens=UNIT, workers=workers,
                                      processes=True) as writer:
                 for f in range(forwards):
-                    block = writer.block(columns)
-                    for name, view in block.views.items():
+                    block = writer.block(columns)  # None where /dev/shm has no room: plain arrays
+                    views = block.views if block else {name: np.empty_like(v) for name, v in rows.items()}
+                    for name, view in views.items():
                         view[...] = rows[name]
-                    block.views["seq"] += f * (FORWARD // WINDOW)
+                    views["seq"] += f * (FORWARD // WINDOW)
                     start = time.thread_time()
-                    writer.write(**block.views)
+                    writer.write(**views)
                     spent += time.thread_time() - start
             children += _children_cpu()
             out.append((1e3 * spent / forwards, 1e3 * children / -(-forwards * FORWARD // UNIT)))
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
           f"(median {statistics.median(thread):.2f} ms)")
     print(f"CPU of the encoder and joiner processes per {UNIT:,}-token unit: "
           f"{', '.join(f'{y:.1f}' for y in children)} ms (median {statistics.median(children):.1f} ms)")
+
 
 if __name__ == "__main__":
     main()
