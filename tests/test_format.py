@@ -635,7 +635,7 @@ def test_the_one_pass_top_r_check_agrees_with_the_numpy_checks(seed):
 
 def test_a_writer_keeps_no_view_of_a_write_it_flushed_part_of(tmp_path):
     """One write of 1.5 row groups flushes one and keeps the rest: a copy, since the caller may
-    fill its arrays again before the next write (as moe-capture refills the writer's shared memory)."""
+    reuse its arrays before the next write."""
     arrays = make_arrays(tokens=40)
     first = {k: v[:30].copy() for k, v in arrays.items()}
     path = tmp_path / "t.parquet"
