@@ -119,13 +119,19 @@ def test_joining_one_file_gives_back_its_bytes(tmp_path):
         assert [v for *_, kind, v in footer.holes if kind == "ordinal"] in ([], [0, 1, 2, 3, 4])  # optional
 
 
+def write_parts(folder: Path, meta, cols, cuts, row_group_tokens: int) -> list[Path]:
+    """The tokens of ``cols`` cut at ``cuts``, each piece a trace file of its own."""
+    parts = []
+    for i, block in enumerate(blocks(cols, cuts)):
+        parts.append(folder / f"part{i}.parquet")
+        with TraceWriter(parts[-1], meta, row_group_tokens=row_group_tokens) as writer:
+            writer.write(**block)
+    return parts
+
+
 def test_joined_file_is_the_parts_one_after_the_other(tmp_path):
     meta, cols = trace_columns(tokens=120, seed=2)
-    parts = []
-    for i, block in enumerate(blocks(cols, [40, 80])):
-        parts.append(tmp_path / f"part{i}.parquet")
-        with TraceWriter(parts[-1], meta, row_group_tokens=15) as writer:
-            writer.write(**block)
+    parts = write_parts(tmp_path, meta, cols, [40, 80], row_group_tokens=15)
     concat_parquet(parts, tmp_path / "all.parquet")
     joined = pq.ParquetFile(tmp_path / "all.parquet")
     assert joined.metadata.num_row_groups == 9 and joined.metadata.num_rows == 120 * 3
@@ -151,11 +157,7 @@ def test_joined_file_is_the_parts_one_after_the_other(tmp_path):
 
 def test_parts_copied_by_the_kernel_or_through_memory_give_the_same_file(tmp_path, monkeypatch):
     meta, cols = trace_columns(tokens=120, seed=3)
-    parts = []
-    for i, block in enumerate(blocks(cols, [50, 70])):
-        parts.append(tmp_path / f"part{i}.parquet")
-        with TraceWriter(parts[-1], meta, row_group_tokens=25) as writer:
-            writer.write(**block)
+    parts = write_parts(tmp_path, meta, cols, [50, 70], row_group_tokens=25)
     concat_parquet(parts, tmp_path / "kernel.parquet")
     kernel_calls = []
 

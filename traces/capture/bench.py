@@ -224,6 +224,17 @@ def overhead_table(bench: dict) -> list[str]:
     return lines
 
 
+def _counts(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 0, or the parser's error naming ``flag``."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = [-1]
+    if min(counts) < 0:
+        p.error(f"{flag} {text}: give whole numbers >= 0, comma-separated")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     defaults = CaptureConfig()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -259,18 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = [w for w in args.writer.split(",") if w not in WRITERS]
     if bad:
         p.error(f"--writer {bad[0]} is not valid; choose from: {', '.join(WRITERS)}")
-    try:
-        units = [int(u) for u in args.unit_tokens.split(",")]
-    except ValueError:
-        units = [-1]
-    if min(units) < 0:
-        p.error(f"--unit-tokens {args.unit_tokens}: give whole numbers >= 0, comma-separated")
-    try:
-        encoders = [int(w) for w in args.writers.split(",")]
-    except ValueError:
-        encoders = [-1]
-    if min(encoders) < 0:
-        p.error(f"--writers {args.writers}: give whole numbers >= 0, comma-separated")
+    units, encoders = _counts(p, "--unit-tokens", args.unit_tokens), _counts(p, "--writers", args.writers)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
     pins, shares = args.pin_threads.split(","), args.shared_rows.split(",")
