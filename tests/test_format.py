@@ -573,10 +573,18 @@ def test_repeated_ids_are_found_in_every_row_that_has_them(k):
     assert 0 < expected.mean() < 1 or k == 1
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("row", [(0, 0), (17, 1), (39, L - 1)])
-def test_a_repeated_top_r_id_is_found_at_its_token_and_layer(row):
-    """The whole-table count finds that some row repeats an id; the first such row is named."""
+def test_a_repeated_top_r_id_is_found_at_its_token_and_layer(row, one_pass, monkeypatch):
+    """The whole-table count finds that some row repeats an id; the first such row is named. With
+    ``one_pass`` (as for a capture's large units) the one-pass check finds it first."""
+    import traces.format as F
     from traces.format import find_problem
+
+    consulted = []
+    real = F._top_r_ids_ok
+    monkeypatch.setattr(F, "_top_r_ids_ok", lambda *a: (consulted.append(1), real(*a))[1])
+    monkeypatch.setattr(F, "FAST_CHECK_MIN_IDS", 0 if one_pass else F.FAST_CHECK_MIN_IDS)
 
     arrays = make_arrays()
     ids = np.argsort(-arrays["logits"], axis=-1)[..., :R].astype(np.int16)
@@ -590,6 +598,7 @@ def test_a_repeated_top_r_id_is_found_at_its_token_and_layer(row):
         ids[39, L - 1, R - 1] = ids[39, L - 1, 0]
     problem = find_problem(meta, cols)
     assert (problem.column, problem.token, problem.layer) == ("logit_ids", t, layer) and "repeats" in problem.what
+    assert len(consulted) == (2 if one_pass else 0)  # the clean unit, then the bad one
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -4,8 +4,10 @@
 experts in 0..E-1 that hold its selected experts. In NumPy that takes a table of E flags per
 token-layer (13 MB for a 3,206-token unit of an 8 x 512 shape), written, counted and read back.
 :func:`top_r_ids_ok` answers the same question in one pass over the ids with a bitset per
-token-layer. Only where it finds a problem does ``find_problem`` run the NumPy checks, which name
-it; the two must agree on every input (tests/test_format.py checks that on randomised units).
+token-layer. ``find_problem`` uses it on units of at least ``FAST_CHECK_MIN_IDS`` ids (a
+capture's; loading Numba costs a process about a second once) and runs the NumPy checks, which
+name a problem, only where it finds one; the two must agree on every input (tests/test_format.py
+checks that on randomised units).
 
 On such a unit with top-64 ids (2 cores, medians of 31 alternating runs, two runs): the NumPy
 checks 11.6 and 11.7 ms of CPU, this one 3.5 and 3.6 ms; all of ``find_problem`` 5.5 ms. The
