@@ -75,8 +75,12 @@ prefetch: env
 	$(BIN)/moe-report $(PREFETCH_DIR)
 	$(PY) -m analysis.prefetch $(PREFETCH_DIR)
 
+# Tests in parallel processes (pytest-xdist), one per core up to TEST_JOBS_MAX: each compiles the
+# kernels its tests run, up to 1.5 GB at its peak. TEST_JOBS=0 runs them all in one process.
+TEST_JOBS ?= auto
+TEST_JOBS_MAX ?= 4
 test: env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --maxprocesses $(TEST_JOBS_MAX)
 
 lint: env
 	$(BIN)/ruff check simulator traces analysis tests
