@@ -10,7 +10,6 @@ import collections
 import sys
 
 import numpy as np
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from traces.capture.bench import _forward_only
