@@ -6,6 +6,7 @@ config, the fixture's tokenizer, B windows of S random tokens.
 From the repository root: ``PYTHONPATH=. python docs/capture/recording_ops.py [CONFIG] [B] [S]``
 (default: the small Qwen3-Next shape, 2 windows of 64 tokens). Results: docs/CAPTURE.md, run w.
 """
+import argparse
 import collections
 import sys
 
@@ -17,12 +18,22 @@ from traces.capture.capture import capture_windows
 from traces.capture.config import CaptureConfig, ModelConfig
 from traces.capture.model import load_model
 from traces.capture.text import Window
+from traces.errors import InputError
 
-config = sys.argv[1] if len(sys.argv) > 1 else "traces/fixtures/shapes/qwen3_next_small.json"
-B = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-S = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-model, _, sites, _ = load_model(ModelConfig(config=config, tokenizer="traces/fixtures/model", dtype="float32",
-                                            device="cpu"))
+p = argparse.ArgumentParser(prog="docs/capture/recording_ops.py", description=__doc__.split("\n\n")[0])
+p.add_argument("config", nargs="?", default="traces/fixtures/shapes/qwen3_next_small.json",
+               help="config.json of the model to initialise randomly")
+p.add_argument("B", nargs="?", type=int, default=2, help="windows per forward")
+p.add_argument("S", nargs="?", type=int, default=64, help="tokens per window")
+args = p.parse_args()
+if min(args.B, args.S) < 1:
+    p.error(f"B={args.B}, S={args.S}: windows and tokens per window must be at least 1")
+config, B, S = args.config, args.B, args.S
+try:
+    model, _, sites, _ = load_model(ModelConfig(config=config, tokenizer="traces/fixtures/model", dtype="float32",
+                                                device="cpu"))
+except InputError as e:
+    sys.exit(f"recording_ops.py: {e}")
 windows = [Window(seq=i, domain=0, tokens=np.random.default_rng(i).integers(1, 4000, S), source="random")
            for i in range(B)]
 cfg = CaptureConfig()
