@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numba
+import numpy as np
 from numba.extending import intrinsic
 
 JIT_FLAGS = {
@@ -90,6 +91,18 @@ def _prune_stale(kernel, prefix: str, current: str) -> None:
     for p in stale:
         with contextlib.suppress(OSError):
             p.unlink()
+
+
+@numba.njit(**NO_ALLOC_FLAGS, inline="always")
+def ix(i):
+    """``i``, an index known to be >= 0 and < 2**32 (an expert id, a pool, a position), as an
+    unsigned one: Numba indexes a signed integer through a wrap of negative values (a compare and
+    a select on every access, on the hot path's critical chain) and an unsigned one directly.
+
+    Only for indexing and for ids that stay ids: a uint32 in arithmetic with a signed integer
+    gives a signed result again, and a sentinel -1 must never pass through here.
+    """
+    return np.uint32(i)
 
 
 # taken when the engine is imported: the sources its kernels are compiled from in this process

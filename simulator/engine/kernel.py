@@ -37,7 +37,7 @@ from simulator.engine.state import (
     used,
     wasted_background,
 )
-from simulator.jit import specialise
+from simulator.jit import ix, specialise
 from simulator.metrics import (
     TOKEN,
     TOKEN_IDS,
@@ -97,7 +97,7 @@ def _trim(core, ev, c, p, stamp):
     """Evict from pool p down to its budget: victims in the policy's order, residents marked
     ``stamp`` (used in the step, or the expert being admitted) last."""
     while core.pools[p, BYTES] > core.pools[p, BUDGET]:
-        x = eviction.victim(core, ev, c, p, stamp)
+        x = ix(eviction.victim(core, ev, c, p, stamp))
         if LIST_RESIDENTS:
             unlist_resident(core, x, c.layer_of[x])
         drop(core, c, x, p)
@@ -107,7 +107,7 @@ def _trim(core, ev, c, p, stamp):
 def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
     """Decide a synchronous fetch of x: it is resident at once (its transfer is timed with the
     step's other fetches, simulator.engine.link.sync_fetches); returns the step's fetch count."""
-    link.fetch_x[n_fetch] = x
+    link.fetch_x[ix(n_fetch)] = x
     make_resident(core, c, x, layer, p)
     if LIST_RESIDENTS:
         list_resident(core, x, layer)
@@ -139,6 +139,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
         while b < T and group[b] == g:
             b += 1
         decode = phase[a] == PHASE_DECODE
+        ua = ix(a)  # a and the token ids below index without the negative wrap (simulator.jit.ix)
         inc = core.fstate[INC]
         if TRACK_FREQUENCY:
             inc = inc / c.lfu_decay
@@ -161,7 +162,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
         for layer in range(L):
             s = g * L + layer
             base = layer * E
-            p = c.pool_of_layer[layer]
+            p = ix(c.pool_of_layer[layer])
             t0 = clock_us
             stamp += 1
 
@@ -172,7 +173,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             if SELECT_BEFORE_USE or not decode:
                 for t in range(a, b):
                     for i in range(K):
-                        x = base + experts[t, layer, i]
+                        x = ix(base + experts[ix(t), layer, i])
                         if TRACK_FREQUENCY:
                             core.freq[x] += inc
                         eviction.on_select(core, ev, c, ch, t, layer, i, x, p, s)
@@ -222,7 +223,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 next_cand = 0
                 n_fetch = 0
                 for i in range(K):
-                    x = base + experts[a, layer, i]
+                    x = ix(base + experts[ua, layer, i])
                     if MARK_LOOKUPS and not SELECT_BEFORE_USE:
                         core.mark[x] = stamp
                     if core.resident[x]:
@@ -234,14 +235,15 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     if BACKGROUND and link.pending[x] == PREFETCH:
                         rc[RunCount.LATE_PREFETCHES] += 1
                     if LEAVES_MISSES:
-                        gate = np.float64(gates[a, layer, i])
+                        gate = np.float64(gates[ua, layer, i])
                         if not miss_rule.fetch(rule, i, gate):
                             if miss_action.serve(act, i, gate) == CPU:
                                 cpu_calls += 1
                                 continue
                             y, n_cand, next_cand = substitute.choose(
-                                core, sub, c, ch, a, layer, K - i, stamp, n_cand, next_cand)
+                                core, sub, c, ch, ua, layer, K - i, stamp, n_cand, next_cand)
                             if y >= 0:
+                                y = ix(y)
                                 substitutions += 1
                                 if i == 0:
                                     lc[layer, LayerCount.FIRST_CHOICE_SUBSTITUTIONS] += 1
@@ -271,7 +273,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     lc[layer, LayerCount.CPU_CALLS] += cpu_calls
                 if m > 0.0:
                     lsum[layer, LayerSum.MASS] += m
-                    core.mass_buf[n_mass] = m  # binned in batches (state.MASS_BUFFER)
+                    core.mass_buf[ix(n_mass)] = m  # binned in batches (state.MASS_BUFFER)
                     n_mass += 1
                     if n_mass == core.mass_buf.shape[0]:
                         bin_masses(core.mass_hist, core.mass_buf, n_mass)
@@ -285,7 +287,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 hits = 0
                 n_fetch = 0
                 for j in range(n_unique):
-                    x = core.uniq[j]
+                    x = ix(core.uniq[j])
                     if core.resident[x]:
                         hits += 1
                         eviction.on_use(core, ev, c, x, p, s)

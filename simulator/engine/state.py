@@ -19,7 +19,7 @@ import numpy as np
 
 from simulator.engine.layout import Layout
 from simulator.engine.params import SimParams
-from simulator.jit import jit
+from simulator.jit import ix, jit
 from simulator.metrics import LAYER, LAYER_SUMS, MASS_BINS, RUN, RunCount
 
 # columns of CoreState.pools[P, 2]
@@ -84,7 +84,7 @@ def bin_masses(mass_hist, mass_buf, n):
     """Count the first ``n`` buffered step masses into the histogram's bins."""
     bins = mass_hist.shape[0] - 1
     for i in range(n):
-        mass_hist[min(np.int64(mass_buf[i] * bins), bins)] += 1
+        mass_hist[ix(min(np.int64(mass_buf[i] * bins), bins))] += 1
 
 
 def make_consts(params: SimParams, layout: Layout) -> Consts:
@@ -167,7 +167,7 @@ def unlist_resident(core, x, layer):
 def drop(core, c, x, p):
     """The cache bookkeeping of evicting x (already out of its policy's order structure and
     its layer's resident list)."""
-    layer = c.layer_of[x]
+    layer = ix(c.layer_of[x])
     core.resident[x] = 0
     core.pools[p, BYTES] -= c.expert_bytes[layer]  # evictions are counted by derived_counts
     if core.fresh[x]:  # a background arrival evicted before any use

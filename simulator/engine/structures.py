@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.jit import jit
+from simulator.jit import ix, jit
 
 # rows of Lists.link and Lists.ends
 PREV, NEXT = 0, 1
@@ -39,11 +39,11 @@ def list_unlink(lists, x, p):
     a = link[PREV, x]
     b = link[NEXT, x]
     if a >= 0:
-        link[NEXT, a] = b
+        link[NEXT, ix(a)] = b
     else:
         ends[HEAD, p] = b
     if b >= 0:
-        link[PREV, b] = a
+        link[PREV, ix(b)] = a
     else:
         ends[TAIL, p] = a
 
@@ -55,7 +55,7 @@ def list_append(lists, x, p):
     link[PREV, x] = t
     link[NEXT, x] = -1
     if t >= 0:
-        link[NEXT, t] = x
+        link[NEXT, ix(t)] = x
     else:
         ends[HEAD, p] = x
     ends[TAIL, p] = x
@@ -66,11 +66,11 @@ def list_victim(lists, mark, p, stamp):
     """Unlink and return pool p's victim: the first entry from the head not marked ``stamp``,
     or, if every entry is marked, the head."""
     x = lists.ends[HEAD, p]
-    while x >= 0 and mark[x] == stamp:
-        x = lists.link[NEXT, x]
+    while x >= 0 and mark[ix(x)] == stamp:
+        x = lists.link[NEXT, ix(x)]
     if x < 0:
         x = lists.ends[HEAD, p]
-    list_unlink(lists, x, p)
+    list_unlink(lists, ix(x), p)
     return x
 
 
@@ -123,21 +123,21 @@ def _before(a1, a2, ax, b1, b2, bx):
 
 @jit(allocates=False, inline=True)
 def _place(h, q, x, k1, k2, off):
-    h.items[q] = x
-    h.hkey1[q] = k1
-    h.hkey2[q] = k2
-    h.slot[x] = q - off
+    h.items[ix(q)] = x
+    h.hkey1[ix(q)] = k1
+    h.hkey2[ix(q)] = k2
+    h.slot[ix(x)] = q - off
 
 
 @jit(allocates=False, inline=True)
 def _sift_up(h, pos, off):
-    q = off + pos
+    q = ix(off + pos)
     x = h.items[q]
     k1 = h.hkey1[q]
     k2 = h.hkey2[q]
     while pos > 0:
         parent = (pos - 1) >> 1
-        r = off + parent
+        r = ix(off + parent)
         if not _before(k1, k2, x, h.hkey1[r], h.hkey2[r], h.items[r]):
             break
         _place(h, off + pos, h.items[r], h.hkey1[r], h.hkey2[r], off)
@@ -147,7 +147,7 @@ def _sift_up(h, pos, off):
 
 @jit(allocates=False, inline=True)
 def _sift_down(h, pos, off, n):
-    q = off + pos
+    q = ix(off + pos)
     x = h.items[q]
     k1 = h.hkey1[q]
     k2 = h.hkey2[q]
@@ -155,11 +155,12 @@ def _sift_down(h, pos, off, n):
         child = 2 * pos + 1
         if child >= n:
             break
-        r = off + child
-        if child + 1 < n and _before(h.hkey1[r + 1], h.hkey2[r + 1], h.items[r + 1],
+        r = ix(off + child)
+        r1 = ix(off + child + 1)
+        if child + 1 < n and _before(h.hkey1[r1], h.hkey2[r1], h.items[r1],
                                      h.hkey1[r], h.hkey2[r], h.items[r]):
             child += 1
-            r += 1
+            r = r1
         if not _before(h.hkey1[r], h.hkey2[r], h.items[r], k1, k2, x):
             break
         _place(h, off + pos, h.items[r], h.hkey1[r], h.hkey2[r], off)
@@ -169,8 +170,8 @@ def _sift_down(h, pos, off, n):
 
 @jit(allocates=False)
 def heap_push(h, c, x, p, k1, k2):
-    off = c.pool_offset[p]
-    n = h.count[p]
+    off = c.pool_offset[ix(p)]
+    n = h.count[ix(p)]
     _place(h, off + n, x, k1, k2, off)
     h.count[p] = n + 1
     _sift_up(h, n, off)
@@ -190,7 +191,7 @@ def heap_rekey(h, c, x, p, k1, k2):
 @jit(allocates=False, inline=True)
 def heap_before_top(h, off, p, x, k1, k2):
     """Whether key (k1, k2, x) is before the stored key of pool p's top (False if empty)."""
-    return h.count[p] > 0 and _before(k1, k2, x, h.hkey1[off], h.hkey2[off], h.items[off])
+    return h.count[p] > 0 and _before(k1, k2, x, h.hkey1[ix(off)], h.hkey2[ix(off)], h.items[ix(off)])
 
 
 @jit(allocates=False)
@@ -212,24 +213,26 @@ def _pop_unmarked(h, off, p, stamp, key1, key2, mark, bound):
     the heap ran out or its least key is not before the key of ``bound`` (an expert outside the
     heap; -1: no bound). The marked ones popped are set aside, in key order. Stale stored keys
     at the top are refreshed and sifted down first."""
+    u = ix(off)
     while h.count[p] > 0:
-        top = h.items[off]
-        if bound >= 0 and not _before(h.hkey1[off], h.hkey2[off], top,
-                                      key1[bound], key2[bound], bound):
+        top = h.items[u]
+        if bound >= 0 and not _before(h.hkey1[u], h.hkey2[u], top,
+                                      key1[ix(bound)], key2[ix(bound)], bound):
             return -1  # stored keys never run ahead: no entry is before the bound
-        k1 = key1[top]
-        k2 = key2[top]
-        if k1 != h.hkey1[off] or k2 != h.hkey2[off]:
-            h.hkey1[off] = k1
-            h.hkey2[off] = k2
+        k1 = key1[ix(top)]
+        k2 = key2[ix(top)]
+        if k1 != h.hkey1[u] or k2 != h.hkey2[u]:
+            h.hkey1[u] = k1
+            h.hkey2[u] = k2
             _sift_down(h, 0, off, h.count[p])
             continue
         n = h.count[p] - 1
         h.count[p] = n
         if n > 0:
-            _place(h, off, h.items[off + n], h.hkey1[off + n], h.hkey2[off + n], off)
+            last = ix(off + n)
+            _place(h, off, h.items[last], h.hkey1[last], h.hkey2[last], off)
             _sift_down(h, 0, off, n)
-        if mark[top] != stamp:
+        if mark[ix(top)] != stamp:
             return top
         h.aside[h.trim[0]] = top
         h.trim[0] += 1
@@ -260,15 +263,18 @@ def _sort_unmarked_first(held, off, n, key1, key2, mark, stamp):
     order; return how many they are."""
     m = 0
     for i in range(n):
-        y = held[off + i]
+        y = ix(held[ix(off + i)])
         if mark[y] != stamp:
-            held[off + i] = held[off + m]
+            held[ix(off + i)] = held[ix(off + m)]
             j = m
-            while j > 0 and _before(key1[y], key2[y], y, key1[held[off + j - 1]],
-                                    key2[held[off + j - 1]], held[off + j - 1]):
-                held[off + j] = held[off + j - 1]
+            k1, k2 = key1[y], key2[y]
+            while j > 0:
+                z = ix(held[ix(off + j - 1)])
+                if not _before(k1, k2, y, key1[z], key2[z], z):
+                    break
+                held[ix(off + j)] = z
                 j -= 1
-            held[off + j] = y
+            held[ix(off + j)] = y
             m += 1
     return m
 
@@ -284,7 +290,7 @@ def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held):
         h.trim[2] = _sort_unmarked_first(held, off, n_held[p], key1, key2, mark, stamp)
     i = h.trim[3]
     if i < h.trim[2]:
-        y = held[off + i]
+        y = held[ix(off + i)]
         x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, y)
         if x >= 0:
             return x
@@ -317,7 +323,7 @@ def heap_end_trim(h, c, p, key1, key2):
     """Push back the residents a trim set aside and did not evict."""
     for i in range(h.trim[1], h.trim[0]):
         y = h.aside[i]
-        heap_push(h, c, y, p, key1[y], key2[y])
+        heap_push(h, c, y, p, key1[ix(y)], key2[ix(y)])
     h.trim[0] = 0
     h.trim[1] = 0
 
@@ -337,7 +343,7 @@ def heap_end_trim_held(h, c, p, key1, key2, held, n_held):
     unmarked = max(h.trim[2], 0)
     keep = unmarked  # held[off + taken : off + keep]: the surviving unmarked ones, in key order
     while keep > taken:
-        y = held[off + keep - 1]
+        y = ix(held[ix(off + keep - 1)])
         if keep - taken <= KEEP_HELD and heap_before_top(h, off, p, y, key1[y], key2[y]):
             break
         heap_push(h, c, y, p, key1[y], key2[y])
@@ -345,7 +351,7 @@ def heap_end_trim_held(h, c, p, key1, key2, held, n_held):
     m = 0
     for i in range(n_held[p]):
         if taken <= i < keep or i >= unmarked:
-            held[off + m] = held[off + i]
+            held[ix(off + m)] = held[ix(off + i)]
             m += 1
     n_held[p] = m
     h.trim[2] = -1

@@ -23,7 +23,7 @@ from simulator.engine.structures import (
     heap_victim_held,
     make_heap,
 )
-from simulator.jit import jit
+from simulator.jit import ix, jit
 from simulator.policies.eviction._base import (
     ReferenceBase,
     ignore_group,
@@ -53,7 +53,7 @@ def on_insert(core, st, c, x, p, s):
     st.last_use[x] = s
     off = c.pool_offset[p]
     n = st.n_held[p]
-    st.held[off + n] = x
+    st.held[ix(off + n)] = x
     st.n_held[p] = n + 1
 
 

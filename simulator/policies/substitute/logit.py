@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.jit import jit, prefetch
+from simulator.jit import ix, jit, prefetch
 from simulator.policies.substitute._rank import best_scored, rank_layer, take_next
 
 NEEDS_LOGITS = True
@@ -77,7 +77,7 @@ def choose(core, st, c, chunk, a, layer, want, stamp, n_cand, next_cand):
             prefetch(order, row + R)
             prefetch(order, row + 2 * R)
         while j < order.shape[2]:
-            y = base + order[a, layer, j]
+            y = ix(base + order[a, layer, j])
             j += 1
             if core.resident[y] and core.mark[y] != stamp:
                 return y, n_cand, j
