@@ -98,10 +98,11 @@ NOTES = """\
 - **Unsigned indices.** Numba indexes an array with a signed integer through a wrap of negative
   values (a compare and a select on every access, on the chain of loads a lookup waits for); the
   ids, pools, token rows and heap positions the kernel knows to be >= 0 index as unsigned 32-bit
-  (`simulator.jit.ix`). Side by side (this trace at Qwen3-Next, alternating processes, each
-  policy's time over the minimal kernel's in the same process, 3 processes of 7 rounds each):
-  fetch_all + LRU 1.70-1.78x -> 1.50-1.62x, fetch_all + LFU 3.98-4.49x -> 3.20-3.49x,
-  quality_first 4.40-5.35x -> 4.06-4.47x, rule015 + LRU 2.09-2.38x -> 1.96-2.27x. The minimal
+  (`simulator.jit.ix`). Side by side against the tree before (2a7c68a), each policy's time
+  over the minimal kernel's in the same process (`python docs/bench/trees_side_by_side.py
+  BEFORE .`: the Qwen3-Next shape, 4,096 tokens, 3 alternating processes per tree of 7 rounds):
+  fetch_all + LRU 1.63-1.70x -> 1.45-1.59x, fetch_all + LFU 3.84-4.23x -> 2.70-3.09x,
+  quality_first 4.13-4.41x -> 3.25-3.76x, rule015 + LRU 2.02-2.09x -> 1.90-2.04x. The minimal
   kernels keep signed indices: they are the yardstick as first measured.
 - **fetch_all + LRU <= 9 ns per lookup.** The minimal kernel itself runs at
   {yard_ns} ns per lookup on this machine (Qwen3-Next), and the engine keeps a clock, byte
