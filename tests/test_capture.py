@@ -491,11 +491,13 @@ def test_lookahead_in_generation_follows_the_kv_cache_decode(tmp_path):
                                        np.take_along_axis(ref, ids, -1), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize(("processes", "shared"), [(False, "no"), (False, "yes"), (True, "yes"), (True, "refused")])
-def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, processes, shared):
+@pytest.mark.parametrize(("kind", "shared"), [("threads", "no"), ("threads", "yes"), ("processes", "yes"),
+                                             ("processes", "refused"), ("dispatcher", "yes"), ("dispatcher", "no")])
+def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, kind, shared):
     """Top-R on the device and row groups encoded in parallel give the trace the host path gave;
     also with the rows written into the writer's shared memory (``shared``), where the encoder
-    threads or processes read them in place, and where the writer has no room for them."""
+    threads or processes read them in place, and where the writer has no room for them; and with
+    the whole writer in a dispatcher process."""
     from traces.capture.capture import build_meta
     from traces.format import TraceWriter, read_trace
 
@@ -507,7 +509,7 @@ def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, processes,
     with TraceWriter(tmp_path / "before.parquet", meta) as writer:
         writer.write(**dense.columns())
     # now: the capture's defaults with small units, so the file joins many parts
-    with open_writer_units(tmp_path / "now.parquet", meta, unit_tokens=5, processes=processes) as writer:
+    with open_writer_units(tmp_path / "now.parquet", meta, unit_tokens=5, kind=kind) as writer:
         capture_windows(model, sites, wins, CaptureConfig(logits="top:5", batch_size=4),
                         lambda rows: writer.write(**rows.columns()),
                         block={"no": None, "yes": writer.block, "refused": lambda columns: None}[shared])
@@ -520,10 +522,10 @@ def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, processes,
     assert pq.ParquetFile(tmp_path / "now.parquet").metadata.num_row_groups == -(-57 // 5)
 
 
-def open_writer_units(path, meta, unit_tokens, processes=False):
-    from traces.capture.writer import ParallelTraceWriter
+def open_writer_units(path, meta, unit_tokens, kind="threads"):
+    from traces.capture.capture import open_writer
 
-    return ParallelTraceWriter(path, meta, unit_tokens=unit_tokens, workers=3, processes=processes)
+    return open_writer(path, meta, workers=3, writer=kind, unit_tokens=unit_tokens)
 
 
 def test_a_capture_in_many_parts_records_the_content_hash_one_writer_of_its_rows_records(tmp_path, capsys):
@@ -626,11 +628,15 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     out = tmp_path / "bench.json"
     bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
                 "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
-                "--lookahead-depth", "1", "--writers", "2,1", "--writer", "processes,threads", "--unit-tokens", "30",
-                "--shared-rows", "1,0", "--out", str(out)])
+                "--lookahead-depth", "1", "--writers", "2,1", "--writer", "processes,threads,dispatcher",
+                "--unit-tokens", "30", "--shared-rows", "1,0", "--out", str(out)])
     result = json.loads(out.read_text())
+    writers = ("processes", "threads", "dispatcher")  # side by side in the same rounds: one forward for all
     assert [(r["writer"], r["writers"], r["batch_size"], r["shared_rows"]) for r in result["runs"]] == [
-        (w, n, b, s) for w in ("processes", "threads") for n in (2, 1) for b in (1, 4) for s in (True, False)]
+        (w, n, b, s) for n in (2, 1) for b in (1, 4) for s in (True, False) for w in writers]
+    for i in range(0, len(result["runs"]), 3):
+        same = result["runs"][i:i + 3]
+        assert len({(r["forward_tokens_per_s"], tuple(r["rounds_s"]["forward"])) for r in same}) == 1
     assert result["device"] == "cpu"
     for r in result["runs"]:
         assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x")
@@ -643,9 +649,9 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         (c,), (f,) = r["rounds_s"]["capture"], r["rounds_s"]["forward"]
         assert (c - 5e-4) / (f + 5e-4) - 1e-3 <= 1 + r["capture_overhead_by_round_pct"] / 100 <= (c + 5e-4) / (f - 5e-4) + 1e-3
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert len(table) == 16 and [line.split("|")[3:5] for line in table][3:5] + [table[8].split("|")[3:5]] == [
-        [" 2 processes, 30-token units, rows copied ", " 4 "], [" 1 processes, 30-token units, rows shared in place ", " 1 "],
-        [" 2 threads, 30-token units, rows shared in place ", " 1 "]]
+    assert len(table) == 24 and [table[i].split("|")[3:5] for i in (9, 13, 17)] == [
+        [" 2 processes, 30-token units, rows copied ", " 4 "], [" 1 threads, 30-token units, rows shared in place ", " 1 "],
+        [" 1 dispatcher, 30-token units, rows copied ", " 1 "]]
 
 
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
@@ -684,22 +690,30 @@ def test_bench_rounds_count_the_cpu_of_the_calling_thread_apart_from_the_others(
         t.start()
         t.join()
 
+    spinner = ("import time\nt = time.process_time()\n"
+               "while time.process_time() - t < 0.3: pass\ninput()")
+
     def busy_child():  # a running child, as the writer's encoders are kept between writers
-        child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                                  "while time.process_time() - t < 0.3: pass\ninput()"], stdin=subprocess.PIPE)
+        child = subprocess.Popen([sys.executable, "-c", spinner], stdin=subprocess.PIPE)
         time.sleep(0.6)  # (spins 0.3 s, then waits for its input)
         spin.child = child
+
+    def busy_grandchild():  # a dispatcher's encoders: children of a child
+        spin.child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                                       f"subprocess.run([sys.executable, '-c', {spinner!r}])"], stdin=subprocess.PIPE)
+        time.sleep(0.8)
 
     def end_child():
         spin.child.communicate(b"\n")
 
     *_, cpu = _timed_rounds({"here": busy_here, "elsewhere": busy_elsewhere, "child": busy_child,
-                             "ended": end_child}, repeats=3)
+                             "ended": end_child, "grandchild": busy_grandchild, "ended again": end_child}, repeats=3)
     assert cpu["here"]["main_thread"] >= 0.045 and cpu["here"]["other_threads"] < 0.02
     assert cpu["elsewhere"]["main_thread"] < 0.02 and cpu["elsewhere"]["other_threads"] >= 0.045
     assert cpu["elsewhere"]["child_processes"] == 0
     if Path("/proc/self/stat").exists():
         assert cpu["child"]["child_processes"] >= 0.25 and cpu["child"]["main_thread"] < 0.05
+        assert cpu["grandchild"]["child_processes"] >= 0.25
 
 
 def test_bench_rounds_time_a_self_timed_pass_by_its_own_measure():

@@ -370,9 +370,12 @@ def test_a_joiner_process_that_dies_fails_the_file_and_leaves_nothing(tmp_path, 
 def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(capsys):
     from traces.capture.writer_cost import main, writer_cpu
 
-    cpu = writer_cpu(forwards=2, passes=2, workers=1)
-    # the thread hands a forward's rows on in milliseconds; an encoder spends more on each unit
-    assert len(cpu) == 2 and all(0 < thread < 1000 and thread < unit for thread, unit in cpu)
+    cpu = writer_cpu(forwards=2, passes=2, workers=1, writers=("processes", "dispatcher"))
+    # the thread hands a forward's rows on in milliseconds; the whole process spends at least
+    # that; an encoder spends more on each unit
+    assert sorted(cpu) == ["dispatcher", "processes"]
+    assert all(len(v) == 2 for v in cpu.values())
+    assert all(0 < thread <= process < 1000 and thread < unit for v in cpu.values() for thread, process, unit in v)
     with pytest.raises(SystemExit) as e:
         main(["--forwards", "0"])
     assert e.value.code == 2 and "--forwards" in capsys.readouterr().err
@@ -403,6 +406,7 @@ def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_aga
     real_give = ParallelTraceWriter._appended_pieces
     monkeypatch.setattr(ParallelTraceWriter, "_appended_pieces", lambda self, pieces: (
         givers.append(threading.current_thread().name) if pieces else None, real_give(self, pieces))[1])
+    monkeypatch.setattr(W, "_FREE_SLABS", [])  # the slabs of earlier tests' writers would be lent in turn
     lent = set()
     path = tmp_path / "lent.parquet"
     # one encoder: at most 4 units (28 tokens) are queued or being encoded at a time, so at most

@@ -89,22 +89,33 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 
 
 def _children_cpu() -> float:
-    """CPU seconds so far of this process's running child processes (the writer's encoders and
-    joiner, kept between writers), from /proc; 0 where there is none."""
-    me, total = str(os.getpid()), 0.0
+    """CPU seconds so far of this process's running descendants (the writer's encoders and joiner,
+    kept between writers, and a dispatcher's), from /proc; 0 where there is none."""
+    parent, cpu = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # exited meanwhile
             continue
-        if fields[1] == me:  # the parent's id
-            total += int(fields[11]) + int(fields[12])
+        pid = int(stat.parent.name)
+        parent[pid], cpu[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+    ours, total = {os.getpid()}, 0
+    added = True
+    while added:
+        added = False
+        for pid, ppid in parent.items():
+            if ppid in ours and pid not in ours:
+                ours.add(pid)
+                total += cpu[pid]
+                added = True
     return total / os.sysconf("SC_CLK_TCK") if total else 0.0
 
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
-                     repeats: int = 3) -> dict:
-    """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads in %."""
+                     repeats: int = 3, writers: tuple[str, ...] = ()) -> list[dict]:
+    """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
+    in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``), all in
+    the same rounds, side by side; one result per writer, the forward and the hooks shared."""
     from traces.capture.capture import (
         batch_tokens,
         build_meta,
@@ -117,43 +128,61 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
 
     tokens = sum(len(w.tokens) for w in windows)
     probs = router_returns_probabilities(model, sites)
+    writers = tuple(writers) or (cfg.writer,)
 
     def hooks() -> dict:
         return capture_windows(model, sites, windows, cfg, lambda rows: None, logits_are_probs=probs)
 
-    closes: list[float] = []  # per capture pass: the loop's end to the file closed
-    opens: list[float] = []  # per capture pass: the start to the writer open (its fixed cost)
-    units: list[int] = []  # the writer's tokens per row group
+    # per writer and capture pass: the loop's end to the file closed, the start to the writer open
+    # (its fixed cost), the writer's tokens per row group
+    closes: dict[str, list[float]] = {w: [] for w in writers}
+    opens: dict[str, list[float]] = {w: [] for w in writers}
+    units: dict[str, list[int]] = {w: [] for w in writers}
 
-    def capture() -> Timed:
+    def capture(writer: str) -> Timed:
         """Timed from the start to the file closed: removing the file after it (a 131,072-token
         trace of the 30B shape is 1.4 GB of page cache) is no part of a capture."""
         start = time.perf_counter()
         meta = build_meta(model, sites, name, domains, cfg, {}, probs)
         with tempfile.TemporaryDirectory() as tmp:
-            with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer, cfg.unit_tokens,
+            with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, writer, cfg.unit_tokens,
                              batch_tokens(cfg)) as w:
-                opens.append(time.perf_counter() - start)
-                units.append(w.unit_tokens)
+                opens[writer].append(time.perf_counter() - start)
+                units[writer].append(w.unit_tokens)
                 stats = capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
                                         logits_are_probs=probs, block=w.block if cfg.shared_rows else None)
                 end = time.perf_counter()
             closed = time.perf_counter()
-            closes.append(closed - end)
+            closes[writer].append(closed - end)
         return Timed(closed - start, stats)
 
-    with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all three passes alike
-        t, last, rounds, cpu = _timed_rounds({"forward": lambda: _forward_only(model, windows, cfg.batch_size),
-                                              "hooks": hooks, "capture": capture}, repeats)
-    t_fwd, t_hooks, t_cap, stats = t["forward"], t["hooks"], t["capture"], last["capture"]
+    modes = {"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks}
+    modes.update({_mode(w): (lambda w=w: capture(w)) for w in writers})
+    with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all passes alike
+        t, last, rounds, cpu = _timed_rounds(modes, repeats)
+    return [_overhead(cfg, writer, tokens, t, rounds, cpu, last[_mode(writer)], units[writer], closes[writer],
+                      opens[writer], cpu_of_model) for writer in writers]
+
+
+def _mode(writer: str) -> str:
+    return f"capture ({writer})"
+
+
+def _overhead(cfg: CaptureConfig, writer: str, tokens: int, t: dict, rounds: dict, cpu: dict, stats: dict,
+              units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
+    """One writer's result of :func:`measure_overhead`, its capture mode named ``capture``."""
+    mode = _mode(writer)
+    t_fwd, t_hooks, t_cap = t["forward"], t["hooks"], t[mode]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
+    rounds = {"forward": rounds["forward"], "hooks": rounds["hooks"], "capture": rounds[mode]}
+    cpu = {"forward": cpu["forward"], "hooks": cpu["hooks"], "capture": cpu[mode]}
     return {
         "logits": cfg.logits,
         "lookahead": _lookahead_label(cfg.lookahead),
         "batch_size": cfg.batch_size,
         "writers": _workers(cfg),
-        "writer": cfg.writer,
+        "writer": writer,
         "unit_tokens": units[-1],
         "model_cpu": cpu_of_model,
         "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
@@ -175,8 +204,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
         # CPU seconds of the measuring process per pass (medians): its main thread, which drives
-        # the model, its other threads (the drain, the writer's) and its child processes (the
-        # encoders and the joiner; 0 without /proc)
+        # the model, its other threads (the drain, the writer's) and its descendant processes
+        # (the encoders, the joiner, a dispatcher; 0 without /proc)
         "cpu_s": cpu,
     }
 
@@ -253,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--writers", default=str(defaults.writers),
                    help="encoders, comma-separated to compare; 0: moe-capture's default")
     p.add_argument("--writer", default=defaults.writer,
-                   help=f"encoders in processes or threads, comma-separated (default: {defaults.writer})")
+                   help=f"the writer: {', '.join(WRITERS)}; comma-separated to compare them in the same rounds "
+                        f"(default: {defaults.writer})")
     p.add_argument("--unit-tokens", default="0",
                    help="tokens per row group the writer encodes at a time, comma-separated; 0: moe-capture's auto")
     p.add_argument("--pin-threads", default="1" if defaults.pin_threads else "0",
@@ -293,25 +323,25 @@ def main(argv: list[str] | None = None) -> None:
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
-    for logits, writer, workers, bs, unit, pin, share in itertools.product(
-            args.logits.split(","), args.writer.split(","), encoders, (int(x) for x in args.batch_sizes.split(",")),
-            units, pins, shares):
-        cfg = replace(defaults, logits=logits, batch_size=bs, writers=workers, writer=writer,
+    writers = tuple(args.writer.split(","))  # side by side in the same rounds
+    for logits, workers, bs, unit, pin, share in itertools.product(
+            args.logits.split(","), encoders, (int(x) for x in args.batch_sizes.split(",")), units, pins, shares):
+        cfg = replace(defaults, logits=logits, batch_size=bs, writers=workers, writer=writers[0],
                       lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window),
                       pin_threads=pin == "1", shared_rows=share == "1")
-        r = measure_overhead(model, sites, windows, name, domains, cfg, args.repeats)
-        results["runs"].append(r)
-        print(f"{name} logits={logits} writer={writer} unit {r['unit_tokens']} batch {bs} shared rows {share} "
-              f"model's CPU "
-              f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
-              f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
-              f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %, "
-              f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; "
-              f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
-              f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads / child processes: "
-              + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f} / {v['child_processes']:.2f}"
-                          for k, v in r["cpu_s"].items()),
-              flush=True)
+        for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers):
+            results["runs"].append(r)
+            print(f"{name} logits={logits} writer={r['writer']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
+                  f"model's CPU "
+                  f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
+                  f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
+                  f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %, "
+                  f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; "
+                  f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
+                  f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads / child processes: "
+                  + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f} / {v['child_processes']:.2f}"
+                              for k, v in r["cpu_s"].items()),
+                  flush=True)
     if args.out:
         atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from traces.atomic import remove_orphans
 from traces.capture.config import WRITERS, CaptureConfig
 from traces.capture.cores import isolated, leave_model_core
+from traces.capture.dispatch import DispatchedTraceWriter
 from traces.capture.hooks import (
     Lookahead,
     RouterRecorder,
@@ -503,18 +504,21 @@ def _progress(enabled: bool | None, total: int):
                 desc="capture", smoothing=0.1)
 
 
-def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer: str = "processes",
-                unit_tokens: int = 0, batch_tokens: int = 0) -> ParallelTraceWriter:
+def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer: str = "dispatcher",
+                unit_tokens: int = 0, batch_tokens: int = 0) -> ParallelTraceWriter | DispatchedTraceWriter:
     """The capture's trace writer: row groups smaller than the format's default, encoded in parallel.
 
     Row groups are encoded by the writer's encoders while the GPU runs the next batches; with
     the default (one row group per ~16 MiB) much of a short capture's writing would happen at the
     end, after the last forward, and with very small ones a fast model pays each unit's handling
     hundreds of times a second (:data:`UNIT_FRACTIONS`). ``workers`` None or 0: :func:`~traces.capture.writer.default_workers`;
-    ``writer``: encoders in child ``processes`` or in ``threads`` of this process; ``unit_tokens``:
+    ``writer``: encoders in child ``processes`` or in ``threads`` of this process, or the whole
+    writer in a ``dispatcher`` process (:mod:`traces.capture.dispatch`); ``unit_tokens``:
     tokens per row group, 0: :func:`auto_unit_tokens` of ``batch_tokens`` (one forward's).
     """
     unit = unit_tokens or auto_unit_tokens(meta, batch_tokens)
+    if writer == "dispatcher":
+        return DispatchedTraceWriter(path, meta, unit_tokens=unit, workers=workers or None)
     return ParallelTraceWriter(path, meta, unit_tokens=unit, workers=workers or None, processes=writer == "processes")
 
 

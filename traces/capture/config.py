@@ -50,7 +50,7 @@ class LookaheadConfig:
     logits: str = "top:32"  # top:R (the R highest per layer ahead, with ids; all E when R >= E) | full
 
 
-WRITERS = ("processes", "threads")  # CaptureConfig.writer
+WRITERS = ("processes", "threads", "dispatcher")  # CaptureConfig.writer
 
 
 @dataclass
@@ -66,8 +66,10 @@ class CaptureConfig:
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     batch_size: int = 16  # windows per forward (teacher_forced) or sequences decoded together
     writers: int = 0  # encoders of the trace's row groups, in parallel; 0 = half the CPU cores, at most 8
-    # processes (encoders in child processes: the model's thread keeps the GIL) | threads (in this process)
-    writer: str = "processes"
+    # dispatcher (the whole writer, encoders included, in a child process: one message per forward;
+    # traces/capture/dispatch.py) | processes (encoders in child processes, handed each unit by
+    # threads of this process) | threads (encoders in this process)
+    writer: str = "dispatcher"
     # tokens per row group the writer encodes at a time; 0 = auto (one forward's tokens, within ~1 to ~8 MiB of rows)
     unit_tokens: int = 0
     # on a GPU host with >= 4 CPUs: the thread that drives the model on a CPU core of its own, the

@@ -15,7 +15,8 @@ order, so it cannot be computed per unit and combined: the thread that appends a
 the unit's stored columns to the file's hash, in unit order, and the units themselves are
 written without one. The file records the hash a single writer of the same tokens records.
 
-``processes=True`` (the capture's default): each worker thread hands its unit to a process of a
+``processes=True`` (the capture's ``processes`` writer; its default, ``dispatcher``, runs this
+writer with processes in a child process of its own: :mod:`traces.capture.dispatch`): each worker thread hands its unit to a process of a
 shared pool and waits, so the encoding runs outside the capture's interpreter. Encoder threads
 share the GIL with the thread that drives the model: every time the model's forward waits for
 the device and wants the GIL back, it can wait up to a switch interval behind an encoder, which
@@ -123,8 +124,8 @@ class Slab(_Shared):
     (and writers) of this process: a producer that registers one with its device (``pinned``,
     ``on_close``) does so once."""
 
-    def __init__(self, nbytes: int):
-        super().__init__(nbytes, prefix="moe-trace-rows-")
+    def __init__(self, nbytes: int, path: str | None = None):
+        super().__init__(nbytes, path, prefix="moe-trace-rows-")  # with ``path``: another process's slab
         self._bytes = np.frombuffer(self.map, np.uint8)  # holds the mapping's address
         self.address = self._bytes.ctypes.data
         self.pinned: bool | None = None  # the producer's registration: None not tried, False failed
@@ -214,12 +215,15 @@ class _Child:
     """
 
     role = ""
+    module = "traces.capture.writer"
+    session = False  # a session (and process group) of its own, which its children join
 
     def __init__(self):
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the traces package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "traces.capture.writer", self.role],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, self.role],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     start_new_session=self.session)
         leave_model_core(self.proc.pid)
 
     def send(self, request) -> None:
@@ -513,7 +517,7 @@ class ParallelTraceWriter:
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None,
-                 processes: bool = False):
+                 processes: bool = False, give_slab=None):
         self.path = Path(path)
         self.meta = meta
         meta.check(str(self.path))
@@ -552,6 +556,7 @@ class ParallelTraceWriter:
             self._to_joiner(("open", str(self._tmp), meta))
         self._lent: set[Slab] = set()  # slabs of blocks written (or to be) not yet appended
         self._slab_lock = threading.Lock()
+        self._give_slab = give_slab or _return_slab  # a slab all of whose tokens are in the output
         self._threads = [threading.Thread(target=self._encode, name=f"trace-encoder-{i}", daemon=True)
                          for i in range(self.workers)]
         for t in self._threads:
@@ -569,10 +574,15 @@ class ParallelTraceWriter:
             slab = _lend_slab(nbytes)
         except OSError:
             return None
-        with self._slab_lock:
-            slab.remaining = int(next(iter(columns.values()))[1][0])
-            self._lent.add(slab)
+        self.lend(slab, int(next(iter(columns.values()))[1][0]))
         return RowBlock(_views(slab.map, layout), slab)
+
+    def lend(self, slab: Slab, tokens: int) -> None:
+        """``slab`` holds the next ``tokens`` rows to write, and is given back (``give_slab``) once
+        they are all in the output: :meth:`block` of memory from elsewhere (:mod:`traces.capture.dispatch`)."""
+        with self._slab_lock:
+            slab.remaining = tokens
+            self._lent.add(slab)
 
     def _appended_pieces(self, pieces: list[dict[str, np.ndarray]]) -> None:
         """Give back the slabs all of whose tokens are in the output now (and hashed)."""
@@ -585,14 +595,14 @@ class ParallelTraceWriter:
                 if slab.remaining > 0:
                     continue
                 self._lent.discard(slab)
-            _return_slab(slab)
+            self._give_slab(slab)
 
     def _return_slabs(self) -> None:
         """Every slab still lent (the writer is done with them: workers stopped)."""
         with self._slab_lock:
             lent, self._lent = self._lent, set()
         for slab in lent:
-            _return_slab(slab)
+            self._give_slab(slab)
 
     def write(self, **columns) -> None:
         """Append tokens (the keyword arguments of ``TraceWriter.write``); re-raises a worker's error."""

@@ -1,18 +1,22 @@
 """CPU the trace writer costs: the thread that hands it the rows, and its child processes (no GPU, no torch).
 
-Feeds :class:`traces.capture.writer.ParallelTraceWriter` synthetic rows of the small Qwen3-Next
+Feeds moe-capture's trace writer (``--writer``: :class:`traces.capture.writer.ParallelTraceWriter`
+with encoder processes, or the same in a dispatcher process, :mod:`traces.capture.dispatch`;
+both side by side, pass by pass, by default) synthetic rows of the small Qwen3-Next
 shape at batch 16 (8 MoE layers, 512 experts, top-10, top-64 logits; one block of 8,192 tokens
 per forward, 3,206-token units, as moe-capture cuts them), each block in the writer's shared
 memory as moe-capture's device puts it there (``shared_rows``; the copy in is not timed). Per
-pass it reports the CPU seconds of the calling thread inside ``write`` per forward, and the CPU
-of the encoder and joiner processes per unit (from /proc; after an untimed pass that starts
-them; ``--passes`` passes, medians):
+pass it reports the CPU of the calling thread inside ``write`` per forward, the CPU of the whole
+capturing process per forward (the writer's threads too: they hold the interpreter lock that the
+model's thread needs), and the CPU of the writer's processes per unit (from /proc; after an
+untimed pass that starts them; ``--passes`` passes, medians):
 
     python -m traces.capture.writer_cost --forwards 24 --passes 3
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -21,16 +25,18 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.capture.writer import ParallelTraceWriter
 from traces.synth import synth_trace
 
 LAYERS, EXPERTS, TOP_K, TOP_R, FORWARD, WINDOW, UNIT = 8, 512, 10, 64, 8192, 512, 3206
 
 
-def writer_cpu(forwards: int, passes: int, workers: int) -> list[tuple[float, float]]:
-    """Per pass: (CPU ms of the calling thread in ``write`` per forward, CPU ms of the writer's
-    child processes per unit)."""
+def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...] = ("processes",)) -> dict:
+    """Per writer (``processes`` or ``dispatcher``; in turn, pass by pass) and pass: (CPU ms of the
+    calling thread in ``write`` per forward, CPU ms of the whole capturing process per forward
+    (every thread; the copy of the rows into the writer's memory left out), CPU ms of the
+    writer's descendant processes per unit)."""
     from traces.capture.bench import _children_cpu
+    from traces.capture.capture import open_writer
 
     meta, ch = synth_trace(tokens=FORWARD, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, seed=0, logits="full",
                            seq_tokens=WINDOW, prompt_tokens=WINDOW, prompt_share=1.0)
@@ -41,26 +47,30 @@ def writer_cpu(forwards: int, passes: int, workers: int) -> list[tuple[float, fl
                 token_id=ch.token_id, nll=ch.nll)
     rows = {k: v for k, v in rows.items() if v is not None}
     columns = {k: (v.dtype, v.shape) for k, v in rows.items()}
-    out = []
+    out: dict[str, list[tuple[float, float, float]]] = {w: [] for w in writers}
     with tempfile.TemporaryDirectory() as folder:
-        with ParallelTraceWriter(Path(folder) / "warm.parquet", meta, unit_tokens=UNIT, workers=workers,
-                                 processes=True) as writer:  # not timed: the processes start, load their kernels
-            writer.write(**rows)
-        for n in range(passes):
-            spent, children = 0.0, -_children_cpu()
-            with ParallelTraceWriter(Path(folder) / f"pass{n}.parquet", meta, unit_tokens=UNIT, workers=workers,
-                                     processes=True) as writer:
+        for writer_kind in writers:  # not timed: the processes start, load their kernels
+            with open_writer(Path(folder) / "warm.parquet", meta, workers, writer_kind, UNIT) as writer:
+                writer.write(**rows)
+        for n, writer_kind in itertools.product(range(passes), writers):
+            spent, copying = 0.0, 0.0
+            children, process = -_children_cpu(), -time.process_time()
+            with open_writer(Path(folder) / f"pass{n}.parquet", meta, workers, writer_kind, UNIT) as writer:
                 for f in range(forwards):
+                    start = time.thread_time()
                     block = writer.block(columns)  # None where /dev/shm has no room: plain arrays
                     views = block.views if block else {name: np.empty_like(v) for name, v in rows.items()}
                     for name, view in views.items():
                         view[...] = rows[name]
                     views["seq"] += f * (FORWARD // WINDOW)
-                    start = time.thread_time()
+                    middle = time.thread_time()
                     writer.write(**views)
-                    spent += time.thread_time() - start
+                    spent += time.thread_time() - middle
+                    copying += middle - start
+            process += time.process_time() - copying
             children += _children_cpu()
-            out.append((1e3 * spent / forwards, 1e3 * children / -(-forwards * FORWARD // UNIT)))
+            out[writer_kind].append((1e3 * spent / forwards, 1e3 * process / forwards,
+                                     1e3 * children / -(-forwards * FORWARD // UNIT)))
     return out
 
 
@@ -69,15 +79,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--forwards", type=int, default=24, help="blocks of 8,192 tokens per pass")
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--workers", type=int, default=2, help="encoder processes")
+    p.add_argument("--writer", default="processes,dispatcher",
+                   help="processes and/or dispatcher (moe-capture's writer), comma-separated: side by side")
     args = p.parse_args(argv)
     if min(args.forwards, args.passes, args.workers) < 1:
         p.error("--forwards, --passes and --workers must be at least 1")
-    cpu = writer_cpu(args.forwards, args.passes, args.workers)
-    thread, children = [x for x, _ in cpu], [y for _, y in cpu]
-    print(f"CPU of the writing thread per 8,192-token forward: {', '.join(f'{x:.2f}' for x in thread)} ms "
-          f"(median {statistics.median(thread):.2f} ms)")
-    print(f"CPU of the encoder and joiner processes per {UNIT:,}-token unit: "
-          f"{', '.join(f'{y:.1f}' for y in children)} ms (median {statistics.median(children):.1f} ms)")
+    writers = tuple(args.writer.split(","))
+    bad = [w for w in writers if w not in ("processes", "dispatcher")]
+    if bad:
+        p.error(f"--writer {bad[0]} is not valid; choose from: processes, dispatcher")
+    for writer, cpu in writer_cpu(args.forwards, args.passes, args.workers, writers).items():
+        thread, process, children = zip(*cpu, strict=True)
+        print(f"{writer}: CPU per 8,192-token forward of the writing thread {_listed(thread)} ms, of the "
+              f"capturing process {_listed(process)} ms; of the writer's child processes per {UNIT:,}-token "
+              f"unit {_listed(children, 1)} ms")
+
+
+def _listed(values, digits: int = 2) -> str:
+    return f"{', '.join(f'{x:.{digits}f}' for x in values)} (median {statistics.median(values):.{digits}f})"
 
 
 if __name__ == "__main__":

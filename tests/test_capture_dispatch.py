@@ -1,0 +1,180 @@
+"""The trace writer in a dispatcher process (traces.capture.dispatch; no torch needed)."""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+
+import numpy as np
+import pytest
+from test_capture_writer import blocks, trace_columns
+
+from traces.capture import dispatch as D
+from traces.capture import writer as W
+from traces.errors import InputError
+from traces.format import TraceWriter, read_trace, recorded_content_hash
+
+
+def single(tmp_path, cols, meta):
+    """The file one TraceWriter makes of ``cols``, and its stored columns."""
+    with TraceWriter(tmp_path / "one.parquet", meta) as writer:
+        stored = writer.write(**cols)
+    return tmp_path / "one.parquet", stored
+
+
+def assert_same_trace(one, many):
+    a, b = read_trace(one), read_trace(many)
+    assert a[0] == b[0]
+    for name in ("seq", "pos", "phase", "experts", "gates", "logits", "nll", "lookahead_logits", "lookahead_ids"):
+        np.testing.assert_array_equal(getattr(a[1], name), getattr(b[1], name), err_msg=name)
+    assert recorded_content_hash(many) == recorded_content_hash(one) is not None
+
+
+def test_rows_in_slabs_go_as_one_message_per_block_and_the_file_is_one_writers(tmp_path, monkeypatch):
+    """Each block of rows in a lent slab reaches the dispatcher as one small message saying where
+    it lies (no rows through the pipe); the file and its content hash are a single writer's; the
+    tokens lent at a time stay within the bound, so a producer ahead of the encoders waits; every
+    slab is back in the pool after the close, and nothing but the file is left."""
+    meta, cols = trace_columns(tokens=600)
+    one, stored = single(tmp_path, cols, meta)
+    cols = {name: v.copy() for name, v in stored.items()}  # as moe-capture gives them
+    monkeypatch.setattr(W, "_FREE_SLABS", [])  # the slabs of earlier tests' writers would be lent in turn
+    sent, peak, lent = [], [0], set()
+    real_send = D._Dispatcher.send
+    monkeypatch.setattr(D._Dispatcher, "send", lambda self, request: (sent.append(request), real_send(self, request))[1])
+    path = tmp_path / "many.parquet"
+    with D.DispatchedTraceWriter(path, meta, unit_tokens=7, workers=1) as writer:
+        for piece in blocks(cols, list(range(10, 600, 10))):
+            block = writer.block({name: (v.dtype, v.shape) for name, v in piece.items()})
+            peak[0] = max(peak[0], writer._lent_tokens)
+            for name, v in piece.items():
+                block.views[name][...] = v
+            lent.add(block.slab)
+            writer.write(**block.views)
+        assert writer.num_tokens == 600
+    rows = [r for r in sent if r[0] == "rows"]
+    assert len(rows) == 60 and not [r for r in sent if r[0] == "arrays"]
+    assert all(len(pickle.dumps(r)) < 2000 for r in rows)  # where the rows are, not the rows
+    assert peak[0] <= 7 * (D.LENT_UNITS_PER_WORKER + D.LENT_UNITS_MORE)  # 35 tokens: at most 4 blocks of 10
+    assert 1 < len(lent) <= 4 and lent <= set(W._FREE_SLABS)
+    assert_same_trace(one, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.parquet", "one.parquet"]
+
+
+def test_rows_not_in_a_slab_are_written_too(tmp_path):
+    """Plain arrays (no shared memory: ``shared_rows`` off or /dev/shm full) go through the pipe."""
+    meta, cols = trace_columns()
+    one, _ = single(tmp_path, cols, meta)
+    with D.DispatchedTraceWriter(tmp_path / "many.parquet", meta, unit_tokens=16, workers=2) as writer:
+        for piece in blocks(cols, [3, 50, 51, 200]):
+            writer.write(**piece)
+        writer.write(**{name: v[:0] for name, v in cols.items()})  # no tokens: nothing
+    assert_same_trace(one, tmp_path / "many.parquet")
+
+
+def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path):
+    """The dispatcher's error reaches the capture as the same one line a single writer gives, and
+    no file is left; a producer waiting for a slab is woken by it."""
+    meta, cols = trace_columns()
+    cols["logits"] = cols["logits"].copy()
+    cols["logits"][250, 1, 3] = np.nan
+    path = tmp_path / "t.parquet"
+    with pytest.raises(InputError) as caught, D.DispatchedTraceWriter(path, meta, unit_tokens=16, workers=2) as writer:
+        for piece in blocks(cols, list(range(10, 300, 10))):
+            block = writer.block({name: (v.dtype, v.shape) for name, v in piece.items()})
+            for name, v in piece.items():
+                block.views[name][...] = v
+            writer.write(**block.views)
+    assert str(caught.value).startswith(f"{path}: column 'logits'") and "NaN" in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_in_the_capture_leaves_nothing_and_the_dispatcher_is_kept(tmp_path):
+    meta, cols = trace_columns()
+    path = tmp_path / "t.parquet"
+    with pytest.raises(RuntimeError, match="stop"), D.DispatchedTraceWriter(path, meta, unit_tokens=16) as writer:
+        writer.write(**blocks(cols, [100])[0])
+        raise RuntimeError("stop")
+    assert list(tmp_path.iterdir()) == []
+    pid = writer._child.proc.pid
+    with D.DispatchedTraceWriter(path, meta, unit_tokens=16) as again:  # the same process, opened again
+        again.write(**cols)
+    assert again._child.proc.pid == pid and read_trace(path)[1].num_tokens == 300
+
+
+def alive(group: int, wait_s: float = 10.0) -> bool:
+    """Whether a process of ``group`` still runs after ``wait_s`` (the killed ones reaped by init)."""
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_dispatcher_that_dies_fails_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    """The dispatcher killed at its third block: one error naming it, its encoders stopped, no
+    file and no hidden files; the next writer starts a new dispatcher and writes."""
+    meta, cols = trace_columns()
+    path = tmp_path / "t.parquet"
+    real_send = D._Dispatcher.send
+    count = [0]
+
+    def dies(self, request):
+        count[0] += request[0] == "arrays"
+        if count[0] == 3 and request[0] == "arrays":
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return real_send(self, request)
+
+    monkeypatch.setattr(D._Dispatcher, "send", dies)
+    with pytest.raises(RuntimeError, match="trace dispatcher process exited"), \
+            D.DispatchedTraceWriter(path, meta, unit_tokens=16, workers=2) as writer:
+        for piece in blocks(cols, list(range(20, 300, 20))):
+            writer.write(**piece)
+    group = writer._child.proc.pid
+    assert list(tmp_path.iterdir()) == []
+    assert not alive(group)  # its encoders and joiner are gone with it
+    monkeypatch.setattr(D._Dispatcher, "send", real_send)
+    with D.DispatchedTraceWriter(path, meta, unit_tokens=16) as again:
+        again.write(**cols)
+    assert again._child.proc.pid != group and read_trace(path)[1].num_tokens == 300
+
+
+def test_a_bad_output_is_refused_before_the_dispatcher_starts(tmp_path):
+    meta, _ = trace_columns()
+    with pytest.raises(InputError, match="does not exist; create it first"):
+        D.DispatchedTraceWriter(tmp_path / "no" / "t.parquet", meta, unit_tokens=16)
+    with pytest.raises(InputError, match="no tokens were written"):
+        with D.DispatchedTraceWriter(tmp_path / "t.parquet", meta, unit_tokens=16):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_blocks_larger_than_the_lending_bound_do_not_wait_for_ever(tmp_path):
+    """Blocks of 50 tokens against a bound of 35 (units of 7, one encoder): the tokens after the
+    last whole unit stay in the dispatcher until more come, so a producer that waited for their
+    slab would wait for ever; it waits only while a slab lies wholly before them."""
+    import threading
+
+    meta, cols = trace_columns()
+    one, stored = single(tmp_path, cols, meta)
+    cols = {name: v.copy() for name, v in stored.items()}
+    path = tmp_path / "many.parquet"
+
+    def produce():
+        with D.DispatchedTraceWriter(path, meta, unit_tokens=7, workers=1) as writer:
+            for piece in blocks(cols, list(range(50, 300, 50))):
+                block = writer.block({name: (v.dtype, v.shape) for name, v in piece.items()})
+                for name, v in piece.items():
+                    block.views[name][...] = v
+                writer.write(**block.views)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    producer.join(timeout=120)
+    assert not producer.is_alive()
+    assert_same_trace(one, path)

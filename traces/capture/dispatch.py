@@ -1,0 +1,297 @@
+"""The capture's trace writer in a process of its own: one message per block of rows.
+
+:class:`~traces.capture.writer.ParallelTraceWriter` keeps its encoder processes busy from threads
+of the capturing process: per unit (about one row group) a thread pickles a request, waits, reads
+the answer and hands the unit on to the joiner. That is 1-1.5 ms of Python per unit holding the
+interpreter lock that the thread driving the model needs for every kernel launch; a launch-bound
+forward pays about as much as that Python runs (docs/CAPTURE.md, the contention check).
+
+:class:`DispatchedTraceWriter` runs the whole ParallelTraceWriter (its threads, encoders and
+joiner) in a *dispatcher* child process. The capturing process lends the slabs of shared memory
+(so it, which owns the device, registers them with CUDA), and for each block of rows sends the
+dispatcher one small message saying where in which slab the rows lie; the dispatcher maps the
+slab by its path and writes the rows as views of it, and says when a slab may be lent again.
+Left in the capturing process per block: one pickled message out, one back (read by a thread
+that waits on the pipe without the interpreter lock).
+
+Rows that are not in a slab (no /dev/shm, or ``shared_rows`` off) travel through the pipe,
+pickled: correct, but a copy; the ``processes`` writer suits them better.
+
+The number of tokens lent at a time is bounded (:data:`LENT_UNITS_PER_WORKER` units per encoder), so a producer faster
+than the encoders waits in :meth:`DispatchedTraceWriter.block` as it would wait in
+ParallelTraceWriter's queue, instead of growing shared memory without end.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from traces.atomic import remove_orphans
+from traces.capture.writer import (
+    _SLAB_LOCK,
+    _SLAB_OF_MAP,
+    ParallelTraceWriter,
+    RowBlock,
+    Slab,
+    _Child,
+    _give_back,
+    _in_slab,
+    _layout,
+    _lend_slab,
+    _return_slab,
+    _slab_of,
+    _take,
+    _views,
+    default_workers,
+)
+from traces.errors import InputError
+from traces.format import TraceMeta
+
+# tokens lent at a time, in units: the dispatcher's queue (2 per encoder), one unit in each
+# encoder, one being cut and one pending
+LENT_UNITS_PER_WORKER, LENT_UNITS_MORE = 3, 2
+
+
+class _Dispatcher(_Child):
+    """The child that hosts a ParallelTraceWriter (:func:`_serve`)."""
+
+    role = "dispatcher"
+    module = "traces.capture.dispatch"
+    # its encoders and joiner in its process group: where it dies, they are stopped with it
+    # (:meth:`DispatchedTraceWriter._end`); a Ctrl-C reaches the capture, which aborts the writer
+    session = True
+
+
+class DispatchedTraceWriter:
+    """:class:`~traces.capture.writer.ParallelTraceWriter` (encoders in processes) run by a
+    dispatcher process; the same calls: :meth:`block`, :meth:`write`, :meth:`close`,
+    :meth:`abort`, a context manager that leaves no file at ``path`` on an error."""
+
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None):
+        self.path = Path(path)
+        self.meta = meta
+        meta.check(str(self.path))
+        if not self.path.parent.is_dir():
+            raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
+        if unit_tokens < 1:
+            raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
+        self.unit_tokens = unit_tokens
+        self.workers = workers or default_workers()
+        self.num_tokens = 0
+        self._max_lent = unit_tokens * (LENT_UNITS_PER_WORKER * self.workers + LENT_UNITS_MORE)
+        self._lent: dict[str, tuple[Slab, int]] = {}  # slab path -> (slab, tokens) until the dispatcher frees it
+        self._lent_tokens = 0
+        self._max_block = 0  # the most tokens of one block so far
+        self._cond = threading.Condition(threading.RLock())
+        self._error: BaseException | None = None
+        self._closed = False
+        self._ended: BaseException | None = None  # the dispatcher's error at close
+        self._died = False  # the dispatcher exited before it answered the close
+        self._child = _take(_Dispatcher)
+        self._child.send(("open", str(self.path), meta, unit_tokens, self.workers))
+        kind, value = self._receive()
+        if kind != "opened":
+            (self._child.close if kind == "exited" else lambda: _give_back(self._child))()
+            raise value if isinstance(value, BaseException) else RuntimeError(f"dispatcher answered {kind!r}")
+        self._reader = threading.Thread(target=self._read, name="trace-dispatcher", daemon=True)
+        self._reader.start()
+
+    def _receive(self) -> tuple[str, object]:
+        try:
+            return pickle.load(self._child.proc.stdout)
+        except (EOFError, ValueError, OSError, pickle.UnpicklingError):
+            return "exited", RuntimeError(f"the trace dispatcher process exited (code {self._child.proc.poll()}); "
+                                          "its error, if any, is printed above")
+
+    def _read(self) -> None:
+        """The dispatcher's messages until the close's answer: slabs to lend again, its error."""
+        while True:
+            kind, value = self._receive()
+            with self._cond:
+                if kind == "free":
+                    self._free(value)
+                elif kind == "error":
+                    self._error = self._error or value
+                else:  # "closed" (value: its error or None), "exited"
+                    self._ended = value
+                    if kind == "exited":
+                        self._died = True
+                        self._error = self._error or value
+                    self._cond.notify_all()
+                    return
+                self._cond.notify_all()
+
+    def block(self, columns: dict[str, tuple[np.dtype, tuple]]) -> RowBlock | None:
+        """As :meth:`ParallelTraceWriter.block`; waits while about :data:`LENT_UNITS_PER_WORKER`
+        units' tokens per encoder are lent (the dispatcher's encoders behind)."""
+        tokens = int(next(iter(columns.values()))[1][0])
+        self._max_block = max(self._max_block, tokens)
+        with self._cond:
+            # the dispatcher keeps the tokens after its last whole unit (< unit_tokens, in the last
+            # blocks, at most unit_tokens + a block's) until more come: wait only while some slab
+            # lies wholly before them, so that one is freed without more rows
+            while (self._lent_tokens + tokens > self._max_lent and self._error is None
+                   and self._lent_tokens >= self.unit_tokens + self._max_block):
+                self._cond.wait()
+            self._raise_error()
+        layout, nbytes = _layout({name: (np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in columns.items()})
+        try:
+            slab = _lend_slab(nbytes)
+        except OSError:
+            return None
+        with self._cond:
+            self._lent[slab.path] = (slab, tokens)
+            self._lent_tokens += tokens
+        return RowBlock(_views(slab.map, layout), slab)
+
+    def write(self, **columns) -> None:
+        """Append tokens (the keyword arguments of ``TraceWriter.write``); re-raises the dispatcher's error."""
+        self._raise_error()
+        cols = {name: np.asarray(v) for name, v in columns.items() if v is not None}
+        n = cols["seq"].shape[0]
+        slab = _slab_of(cols)
+        lent = slab is not None and slab.path in self._lent
+        if not n:
+            if lent:
+                self._free(slab.path)
+            return
+        self.num_tokens += n
+        if lent:
+            self._child.send(("rows", n, *_in_slab(slab, cols)))
+        else:
+            self._child.send(("arrays", cols))
+
+    def _free(self, path: str) -> None:
+        """The slab at ``path`` may be lent again (the caller holds ``_cond`` or not: it is reentrant)."""
+        with self._cond:
+            slab, tokens = self._lent.pop(path, (None, 0))
+            self._lent_tokens -= tokens
+        if slab is not None:
+            _return_slab(slab)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _end(self, request: str) -> BaseException | None:
+        """Send ``request`` ("close" or "abort"), wait for its answer; every slab lent again."""
+        self._closed = True
+        try:
+            self._child.send((request,))
+        except RuntimeError as e:  # exited: the reader ends on its own
+            self._error = self._error or e
+        self._reader.join()
+        with self._cond:
+            lent, self._lent, self._lent_tokens = self._lent, {}, 0
+        for slab, _ in lent.values():
+            _return_slab(slab)
+        if self._died:  # its children too, then their files
+            with contextlib.suppress(OSError):
+                os.killpg(self._child.proc.pid, signal.SIGKILL)
+            self._child.close()
+            remove_orphans(self.path.parent)
+        else:
+            _give_back(self._child)
+        return self._ended
+
+    def close(self) -> None:
+        """Encode what is pending, finish the output and move it to ``path``."""
+        if self._closed:
+            return
+        ended = self._end("close")
+        self._raise_error()
+        if ended is not None:
+            raise ended
+
+    def abort(self) -> None:
+        """Drop everything written; ``path`` is left as it was."""
+        if not self._closed:
+            self._end("abort")
+
+    def __enter__(self) -> DispatchedTraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        (self.close if exc_type is None else self.abort)()
+
+
+_MAPPED: dict[str, Slab] = {}  # the dispatcher's maps of the capturing process's slabs, by path
+
+
+def _mapped(path: str, size: int) -> Slab:
+    """The capturing process's slab at ``path``, mapped here once and known to :func:`_slab_of`."""
+    slab = _MAPPED.get(path)
+    if slab is None or slab.size != size:
+        slab = _MAPPED[path] = Slab(size, path)
+        with _SLAB_LOCK:
+            _SLAB_OF_MAP[id(slab.map)] = slab
+    return slab
+
+
+def _serve() -> None:
+    """The dispatcher's loop: ``("open", path, meta, unit_tokens, workers)`` -> "opened";
+    ``("rows", tokens, path, size, layout)`` and ``("arrays", columns)`` written, no answer (the
+    first error is sent as "error"); ``("close",)``/``("abort",)`` -> ("closed", error or None).
+    A slab all of whose rows are in the output is sent back as ("free", path)."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    lock = threading.Lock()
+
+    def tell(kind: str, value=None) -> None:
+        with lock:
+            pickle.dump((kind, value), stdout, protocol=pickle.HIGHEST_PROTOCOL)
+            stdout.flush()
+
+    writer: ParallelTraceWriter | None = None
+    failed = False
+    while True:
+        try:
+            request = pickle.load(stdin)
+        except EOFError:
+            if writer is not None:
+                writer.abort()
+            return
+        kind = request[0]
+        try:
+            if kind == "open":
+                _, path, meta, unit_tokens, workers = request
+                writer = ParallelTraceWriter(path, meta, unit_tokens, workers, processes=True,
+                                             give_slab=lambda slab: tell("free", slab.path))
+                failed = False
+                tell("opened")
+            elif kind in ("close", "abort"):
+                done, writer = writer, None
+                error = None
+                try:
+                    (done.close if kind == "close" else done.abort)()
+                except BaseException as e:  # noqa: BLE001 - sent to the capturing process
+                    error = e
+                tell("closed", error)
+            elif failed:  # rows after an error: give their slab back at once
+                if kind == "rows":
+                    tell("free", request[2])
+            elif kind == "rows":
+                _, tokens, path, size, layout = request
+                slab = _mapped(path, size)
+                writer.lend(slab, tokens)
+                writer.write(**_views(slab.map, layout))
+            elif kind == "arrays":
+                writer.write(**request[1])
+            else:
+                raise ValueError(f"unknown dispatcher request {kind!r}")
+        except BaseException as e:  # noqa: BLE001 - sent to the capturing process
+            if kind == "open":
+                tell("error", e)
+            elif not failed:
+                failed = True
+                tell("error", e)
+
+
+if __name__ == "__main__":
+    _serve()
