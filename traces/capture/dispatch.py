@@ -29,7 +29,6 @@ import pickle
 import signal
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 
@@ -49,9 +48,8 @@ from traces.capture.writer import (
     _slab_of,
     _take,
     _views,
-    default_workers,
+    checked_settings,
 )
-from traces.errors import InputError
 from traces.format import TraceMeta
 
 # tokens lent at a time, in units: the dispatcher's queue (2 per encoder), one unit in each
@@ -75,15 +73,7 @@ class DispatchedTraceWriter:
     :meth:`abort`, a context manager that leaves no file at ``path`` on an error."""
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None):
-        self.path = Path(path)
-        self.meta = meta
-        meta.check(str(self.path))
-        if not self.path.parent.is_dir():
-            raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
-        if unit_tokens < 1:
-            raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
-        self.unit_tokens = unit_tokens
-        self.workers = workers or default_workers()
+        self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers)
         self.num_tokens = 0
         self._max_lent = unit_tokens * (LENT_UNITS_PER_WORKER * self.workers + LENT_UNITS_MORE)
         self._lent: dict[str, tuple[Slab, int]] = {}  # slab path -> (slab, tokens) until the dispatcher frees it

@@ -505,6 +505,17 @@ def _remove_unit_files(request: tuple | None) -> None:
             Path(located[0]).unlink(missing_ok=True)
 
 
+def checked_settings(path, meta: TraceMeta, unit_tokens: int, workers: int | None) -> tuple[Path, TraceMeta, int, int]:
+    """A parallel writer's (path, meta, unit tokens, workers), checked before anything starts."""
+    path = Path(path)
+    meta.check(str(path))
+    if not path.parent.is_dir():
+        raise InputError(f"{path}: directory {path.parent} does not exist; create it first")
+    if unit_tokens < 1:
+        raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
+    return path, meta, unit_tokens, workers or default_workers()
+
+
 class ParallelTraceWriter:
     """Writes whole tokens to a trace file like :class:`TraceWriter`, encoding row groups in parallel.
 
@@ -518,15 +529,7 @@ class ParallelTraceWriter:
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None,
                  processes: bool = False, give_slab=None):
-        self.path = Path(path)
-        self.meta = meta
-        meta.check(str(self.path))
-        if not self.path.parent.is_dir():
-            raise InputError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
-        if unit_tokens < 1:
-            raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
-        self.unit_tokens = unit_tokens
-        self.workers = workers or default_workers()
+        self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers)
         self._processes = processes
         self.num_tokens = 0
         self._pending: list[dict[str, np.ndarray]] = []
