@@ -85,3 +85,41 @@ def test_the_writers_encoder_and_joiner_processes_run_off_the_models_core(tmp_pa
         used = [c for kind in (W._Encoder, W._Joiner) for c in W._IDLE.get(kind, [])]  # not a dispatcher's
     assert len(used) >= 4  # three encoders (two of them from before) and the joiner, back in the pool
     assert all(os.sched_getaffinity(c.proc.pid) == allowed - {first} for c in used)
+
+
+def test_descendants_follow_the_parent_links_to_every_depth(tmp_path):
+    for pid, ppid in {10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}.items():
+        (tmp_path / str(pid)).mkdir()
+        # a process name with spaces and a ")" must not shift the fields
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a) b) S {ppid} 0 0 0 0 0 0 0 0 0 {pid} 1 0 0\n")
+    table = cores.processes(tmp_path)
+    assert table[12] == (11, 13)  # parent, user + system ticks
+    assert cores.descendants(10, table) == {11, 12, 13}
+    assert cores.descendants(20, table) == {21}
+    assert cores.descendants(12, table) == set()
+    assert os.getpid() in cores.descendants(os.getppid())  # the real /proc
+
+
+@needs_two_cpus
+def test_a_dispatchers_encoders_started_before_the_block_leave_the_models_core(tmp_path, monkeypatch):
+    """A dispatcher kept from an earlier writer is taken with the encoders and joiner it started
+    then, which still have every CPU: they are moved with it."""
+    from test_capture_writer import trace_columns
+
+    from traces.capture.dispatch import DispatchedTraceWriter, _Dispatcher
+
+    allowed = os.sched_getaffinity(0)
+    first = max(allowed)
+    meta, cols = trace_columns()
+    W._close_children()  # a dispatcher of our own below
+    with DispatchedTraceWriter(tmp_path / "before.parquet", meta, unit_tokens=64, workers=2) as w:
+        w.write(**cols)
+    (dispatcher,) = W._IDLE[_Dispatcher]
+    below = cores.descendants(dispatcher.proc.pid)
+    assert len(below) >= 3  # two encoders and the joiner
+    monkeypatch.setattr(cores, "MIN_CPUS", 2)
+    with cores.isolated(root=fake_topology(tmp_path / "sys", {first: str(first)})):
+        with DispatchedTraceWriter(tmp_path / "t.parquet", meta, unit_tokens=64, workers=2) as w:
+            w.write(**cols)
+        for pid in {dispatcher.proc.pid} | below:
+            assert os.sched_getaffinity(pid) == allowed - {first}, pid

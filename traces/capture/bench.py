@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from traces.atomic import atomic_write_text
 from traces.capture.config import WRITERS, CaptureConfig, LookaheadConfig, ModelConfig
+from traces.capture.cores import descendants, processes
 
 
 def _sync(device) -> None:
@@ -91,23 +92,8 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
 def _children_cpu() -> float:
     """CPU seconds so far of this process's running descendants (the writer's encoders and joiner,
     kept between writers, and a dispatcher's), from /proc; 0 where there is none."""
-    parent, cpu = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        pid = int(stat.parent.name)
-        parent[pid], cpu[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
-    ours, total = {os.getpid()}, 0
-    added = True
-    while added:
-        added = False
-        for pid, ppid in parent.items():
-            if ppid in ours and pid not in ours:
-                ours.add(pid)
-                total += cpu[pid]
-                added = True
+    table = processes()
+    total = sum(table[pid][1] for pid in descendants(os.getpid(), table))
     return total / os.sysconf("SC_CLK_TCK") if total else 0.0
 
 

@@ -62,18 +62,49 @@ def isolated(enabled: bool = True, root: Path = Path("/sys/devices/system/cpu"))
         os.sched_setaffinity(0, allowed)
 
 
+def processes(proc: Path = Path("/proc")) -> dict[int, tuple[int, int]]:
+    """Every running process's parent and CPU time so far in clock ticks (user + system), from
+    /proc: ``{pid: (ppid, ticks)}``; empty where there is no /proc."""
+    table = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return table
+
+
+def descendants(pid: int, table: dict[int, tuple[int, int]] | None = None) -> set[int]:
+    """The running processes below ``pid`` (children, theirs, ...), from :func:`processes`."""
+    table = processes() if table is None else table
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def leave_model_core(pid: int = 0) -> None:
-    """Move the calling thread (``pid`` 0), or every thread of the process ``pid``, off the
-    model's core while :func:`isolated` is in force; otherwise nothing. A thread started by the
-    pinned thread inherits its single CPU, so each capture thread calls this first."""
+    """Move the calling thread (``pid`` 0), or every thread of the process ``pid`` and of its
+    descendants (a dispatcher's encoders and joiner), off the model's core while
+    :func:`isolated` is in force; otherwise nothing. A thread started by the pinned thread
+    inherits its single CPU, so each capture thread calls this first."""
     if _others is None:
         return
     tasks = [0]
     if pid:
-        try:
-            tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            tasks = [pid]
+        tasks = []
+        for process in (pid, *descendants(pid)):
+            try:
+                tasks += [int(t) for t in os.listdir(f"/proc/{process}/task")]
+            except OSError:
+                tasks.append(process)
     for task in tasks:
         with contextlib.suppress(OSError):  # a thread or process that has exited meanwhile
             os.sched_setaffinity(task, _others)
