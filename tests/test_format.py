@@ -511,6 +511,21 @@ def test_writer_rejects_top_r_below_top_k_and_nan_logits(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_any_nan_finds_a_nan_in_any_block(dtype):
+    from traces.format import _any_nan
+
+    values = np.zeros((5, 3, 7), dtype)
+    assert not _any_nan(values, block=4)
+    for flat in (0, 3, 4, 104):  # first, block end, next block's start, last of a partial block
+        v = values.copy()
+        v.reshape(-1)[flat] = np.nan
+        assert _any_nan(v, block=4) and _any_nan(v)
+    v = values.copy()
+    v[...] = np.inf  # infinities are no NaN
+    assert not _any_nan(v, block=4)
+
+
 def test_top_r_trace_substitutes_as_the_full_trace_when_the_best_resident_is_in_the_top_r(tmp_path):
     """The same substitutes as with all logits wherever the highest-logit eligible resident is
     among the token's R highest; with R = k (every resident outside) the choices differ."""

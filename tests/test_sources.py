@@ -131,7 +131,12 @@ def test_every_source_and_option_gives_the_same_chunks(trace, tmp_path):
 
 @pytest.mark.parametrize("r", [1, 4, 64])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_logit_order_is_the_lexsort_order_with_ties(r, dtype):
+@pytest.mark.parametrize("block_rows", [None, 7])  # 7: 600 token-layers in blocks, one cut inside a token
+def test_logit_order_is_the_lexsort_order_with_ties(r, dtype, block_rows, monkeypatch):
+    import traces.format
+
+    if block_rows:
+        monkeypatch.setattr(traces.format, "_ORDER_BLOCK_ROWS", block_rows)
     rng = np.random.default_rng(r)
     logits = rng.integers(-4, 4, (200, 3, 96)).astype(dtype)  # ties everywhere
     logits[0, 0, :3] = [-0.0, 0.0, -np.inf]
