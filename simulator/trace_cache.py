@@ -52,7 +52,9 @@ import shutil
 import sys
 import threading
 import zlib
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,6 +209,9 @@ class CachedTrace:
         remove_orphans(root)
         build = temp_path(root / f"build-{self.directory.name[:23]}")
         files: dict[str, _NpyWriter] = {}
+        # a chunk's arrays are written by a thread of their own while the next chunk is decoded (the
+        # copy into the page cache was half the build's CPU); one chunk's writes wait at a time
+        writes, written = ThreadPoolExecutor(1, thread_name_prefix="trace-cache-write"), deque()
         with output_errors(self.directory), open_trace(self.path) as reader:
             try:
                 build.mkdir()
@@ -224,8 +229,12 @@ class CachedTrace:
                     for name, value in arrays.items():
                         if name not in files:
                             files[name] = _NpyWriter(build / f"{name}.npy", value, self.num_tokens)
-                        files[name].append(value)
+                    written.append(writes.submit(_append, [(files[n], v) for n, v in arrays.items()]))
+                    while len(written) > 1:
+                        written.popleft().result()
                     yield chunk
+                while written:
+                    written.popleft().result()
                 for f in files.values():
                     f.close()
                 recorded = reader.content_hash
@@ -243,6 +252,7 @@ class CachedTrace:
                 self._mapped(self._put_in_place(build))
                 _announce(self.directory, self.path)
             finally:
+                writes.shutdown(wait=True, cancel_futures=True)
                 for f in files.values():
                     f.close()
                 shutil.rmtree(build, ignore_errors=True)
@@ -558,6 +568,12 @@ class _NpyWriter:
         identity = _identity(self.path)
         return {"shape": list(self.shape), "dtype": self.dtype.str, "offset": self.offset,
                 "bytes": identity[1], "crc32": self._crc, "identity": identity}
+
+
+def _append(pairs: list[tuple[_NpyWriter, np.ndarray]]) -> None:
+    """One chunk's arrays appended to their files (the build's writing thread)."""
+    for writer, value in pairs:
+        writer.append(value)
 
 
 class _OrderBuild:

@@ -257,3 +257,28 @@ def test_a_trace_whose_content_does_not_match_its_hash_is_not_cached(trace_file,
         built(damaged, tmp_path / "c")
     root = cache_root(tmp_path / "c")
     assert [p.name for p in root.iterdir() if p.name != "hashes"] == []
+
+
+@pytest.mark.parametrize("failing_write", [1, 3])
+def test_a_write_failing_in_the_writing_thread_is_one_error_and_leaves_no_copy(trace_file, tmp_path,
+                                                                              monkeypatch, failing_write):
+    """The copy's arrays are written by a thread of its own; a disk-full error there stops the
+    streaming first run with the one error line, and neither a copy nor a build folder remains."""
+    calls = {"n": 0}
+    append = trace_cache._NpyWriter.append
+
+    def full(self, value):
+        calls["n"] += 1
+        if calls["n"] == failing_write:
+            raise OSError(28, "No space left on device")
+        append(self, value)
+
+    monkeypatch.setattr(trace_cache._NpyWriter, "append", full)
+    cache = tmp_path / "c"
+    source = cached_source(trace_file, cache)
+    with pytest.raises(InputError, match="cannot be written \\(No space left on device\\); free disk space"):
+        list(source.iter_chunks(7))  # small chunks: the error comes while the first run streams
+    assert not source.directory.exists()  # no copy in place
+    assert not [p for p in cache.rglob("*") if p.is_dir() and p.name.startswith(("build", ".build"))]
+    monkeypatch.setattr(trace_cache._NpyWriter, "append", append)
+    assert_same_chunks(cached_source(trace_file, cache).iter_chunks(7), open_trace(trace_file).iter_chunks(7))
