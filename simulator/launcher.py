@@ -10,7 +10,8 @@ is where the simulation runs:
 
 - each trace file of the sweep is decoded once, into the trace cache (simulator/trace_cache.py):
   the shared copy when the job sets ``trace.cache=true``, otherwise a private copy in the sweep
-  directory, removed when the jobs are done;
+  directory, removed when the jobs are done; a thread of its own decodes it while this thread
+  composes the sweep's configs, and the simulations over it wait for it;
 - each job's simulation starts on a thread pool as soon as its config is composed
   (``hydra.launcher.workers`` at once; the Numba kernel releases the GIL), while this thread
   composes further configs and lets ``run_job`` record finished jobs in job order. The job's
@@ -86,7 +87,8 @@ def task_config(config: DictConfig) -> dict:
 
 
 class SharedTraces:
-    """The decoded copy of each trace file a sweep reads, built on first use.
+    """The decoded copy of each trace file a sweep reads, built on first use by a thread of its
+    own, while this thread composes the sweep's further configs.
 
     ``private_root``: the trace cache for jobs without ``trace.cache`` (removed by
     :meth:`close`); jobs with ``trace.cache=true`` use the user's trace cache, as on their own.
@@ -94,11 +96,13 @@ class SharedTraces:
 
     def __init__(self, private_root: Path):
         self.private_root = private_root
-        self._opened: dict[tuple[Path, bool], object] = {}
+        self._opened: dict[tuple[Path, bool], tuple[object, Future]] = {}
+        self._builds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
 
-    def source(self, trace_cfg: dict):
-        """The trace of ``trace_cfg`` decoded (a CachedTrace), or None where it cannot be (a
-        missing or broken file: the job opens it itself and reports why)."""
+    def source(self, trace_cfg: dict) -> tuple[object, Future] | None:
+        """The trace of ``trace_cfg`` (a CachedTrace) and the future of its decoding into the
+        cache, or None where it cannot be opened (a missing or broken file: the job opens it
+        itself and reports why)."""
         from simulator.run import resolve_path
         from simulator.trace_cache import cached_source
 
@@ -108,14 +112,15 @@ class SharedTraces:
         if key not in self._opened:
             try:
                 source = cached_source(path, None if shared else self.private_root)
-                source.build()
             except InputError:
-                source = None
-            self._opened[key] = source
+                self._opened[key] = None
+            else:
+                self._opened[key] = (source, self._builds.submit(source.build))
         return self._opened[key]
 
     def close(self) -> None:
-        """Forget the copies and remove the private ones."""
+        """Forget the copies and remove the private ones (after a build under way)."""
+        self._builds.shutdown(wait=True, cancel_futures=True)
         self._opened.clear()
         shutil.rmtree(self.private_root, ignore_errors=True)
 
@@ -135,18 +140,17 @@ class Simulations:
 
     def start(self, config: DictConfig) -> PreparedJob | None:
         """Start the job's simulation (None where its task should simulate: its config does
-        not resolve here, or its trace cannot be decoded)."""
-        from simulator.run import simulate_config
-
+        not resolve here, or its trace cannot be opened); it waits for the trace's decoding."""
         try:
             plain = task_config(config)
-            opened = self.traces.source(plain["trace"])
+            shared = self.traces.source(plain["trace"])
         except Exception:  # the task meets the same problem and reports it
             return None
-        if opened is None:
+        if shared is None:
             return None
+        opened, built = shared
         self.waiting_tokens += opened.num_tokens
-        return PreparedJob(plain, self.pool.submit(simulate_config, plain, opened=opened),
+        return PreparedJob(plain, self.pool.submit(_simulate_decoded, plain, opened, built),
                            opened.num_tokens)
 
     def recorded(self, job: PreparedJob) -> None:
@@ -157,6 +161,18 @@ class Simulations:
     def close(self) -> None:
         """Stop queued simulations, wait for running ones, remove the private trace copies."""
         self._closed()
+
+
+def _simulate_decoded(plain: dict, opened, built: Future):
+    """:func:`simulator.run.simulate_config` over the shared decoded trace once it is built; where
+    the decoding failed, over the trace file as the job's task would open it (and fail the same)."""
+    from simulator.run import simulate_config
+
+    try:
+        built.result()
+    except Exception:  # noqa: BLE001 - the job meets the problem itself and reports it
+        return simulate_config(plain)
+    return simulate_config(plain, opened=opened)
 
 
 def _close(pool: ThreadPoolExecutor, traces: SharedTraces) -> None:

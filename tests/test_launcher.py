@@ -114,6 +114,32 @@ def test_each_trace_is_decoded_once_per_sweep(trace, tmp_path, launcher, reads):
     assert len(list((tmp_path / "sweep").glob("*/summary.json"))) == 4
 
 
+FAILING_DECODE = COUNT_READS + """
+import threading, simulator.trace_cache as tc
+from traces.errors import InputError
+def build(self):
+    print(f"decoding on {threading.current_thread().name}")
+    raise InputError("cannot be written (No space left on device)")
+tc.CachedTrace.build = build
+"""
+
+
+def test_jobs_read_the_trace_themselves_where_the_sweeps_decoding_fails(trace, tmp_path):
+    """The shared copy is decoded on a thread of its own; where that fails, every job simulates
+    from the trace file as its task would, with the same results."""
+    proc = moe_sim("-m", f"trace.path={trace}", "policy=fetch_all,rule015", "cache.fraction=0.25,0.5",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cache=tmp_path / "cache", code=FAILING_DECODE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("decoding on decode_0") == 1
+    assert "row groups read: 4" in proc.stdout  # each job decoded the file itself
+    summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
+    basic = moe_sim("-m", f"trace.path={trace}", "policy=fetch_all,rule015", "cache.fraction=0.25,0.5",
+                    f"hydra.sweep.dir={tmp_path / 'basic'}", "hydra/launcher=basic", cache=tmp_path / "cache")
+    assert basic.returncode == 0, basic.stderr[-3000:]
+    assert len(summaries) == 4 and all(
+        comparable(p.name, p) == comparable(p.name, tmp_path / "basic" / p.parent.name / p.name) for p in summaries)
+
+
 def test_shared_trace_cache_is_used_and_kept_with_trace_cache(trace, tmp_path):
     proc = moe_sim("-m", f"trace.path={trace}", "policy=fetch_all,rule015", "trace.cache=true",
                    f"hydra.sweep.dir={tmp_path / 'sweep'}", cache=tmp_path / "cache",
