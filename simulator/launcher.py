@@ -27,11 +27,13 @@ basic launcher: a simulation ahead of its task would see neither.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import logging
 import shutil
 import sys
+import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -97,6 +99,8 @@ class SharedTraces:
     def __init__(self, private_root: Path):
         self.private_root = private_root
         self._opened: dict[tuple[Path, bool], tuple[object, Future]] = {}
+        self._orders: dict[tuple[int, int], Future] = {}
+        self._orders_lock = threading.Lock()  # jobs ask for orders from the simulation threads
         self._builds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
 
     def source(self, trace_cfg: dict) -> tuple[object, Future] | None:
@@ -118,10 +122,22 @@ class SharedTraces:
                 self._opened[key] = (source, self._builds.submit(source.build))
         return self._opened[key]
 
+    def order(self, source, order_r: int) -> Future:
+        """The future of ranking ``source``'s logits into its kept top-``order_r`` order
+        (:meth:`~simulator.trace_cache.CachedTrace.keep_order`), started by the first job that
+        reads it: the jobs after it wait for that one pass instead of each ranking the logits
+        again while it runs."""
+        key = (id(source), order_r)
+        with self._orders_lock:
+            if key not in self._orders:
+                self._orders[key] = self._builds.submit(source.keep_order, order_r)
+            return self._orders[key]
+
     def close(self) -> None:
         """Forget the copies and remove the private ones (after a build under way)."""
         self._builds.shutdown(wait=True, cancel_futures=True)
         self._opened.clear()
+        self._orders.clear()
         shutil.rmtree(self.private_root, ignore_errors=True)
 
 
@@ -150,7 +166,7 @@ class Simulations:
             return None
         opened, built = shared
         self.waiting_tokens += opened.num_tokens
-        return PreparedJob(plain, self.pool.submit(_simulate_decoded, plain, opened, built),
+        return PreparedJob(plain, self.pool.submit(_simulate_decoded, plain, opened, built, self.traces),
                            opened.num_tokens)
 
     def recorded(self, job: PreparedJob) -> None:
@@ -163,16 +179,23 @@ class Simulations:
         self._closed()
 
 
-def _simulate_decoded(plain: dict, opened, built: Future):
-    """:func:`simulator.run.simulate_config` over the shared decoded trace once it is built; where
-    the decoding failed, over the trace file as the job's task would open it (and fail the same)."""
-    from simulator.run import simulate_config
+def _simulate_decoded(plain: dict, opened, built: Future, traces: SharedTraces):
+    """:func:`simulator.run.simulate_config` over the shared decoded trace once it is built (and
+    its top-R order, where the job walks one: :meth:`SharedTraces.order`); where the decoding
+    failed, over the trace file as the job's task would open it (and fail the same)."""
+    from simulator.engine import read_options
+    from simulator.run import prepare, run_prepared, simulate_config
 
     try:
         built.result()
     except Exception:  # noqa: BLE001 - the job meets the problem itself and reports it
         return simulate_config(plain)
-    return simulate_config(plain, opened=opened)
+    prepared = prepare(plain, opened)
+    order_r = read_options(prepared.params, opened)["order_r"]
+    if order_r and not opened.keeps_order(order_r):
+        with contextlib.suppress(Exception):  # else the job's own pass ranks the logits (and
+            traces.order(opened, order_r).result()  # meets what stopped this one)
+    return run_prepared(prepared)
 
 
 def _close(pool: ThreadPoolExecutor, traces: SharedTraces) -> None:

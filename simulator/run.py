@@ -497,9 +497,13 @@ def simulate_config(cfg: Mapping, progress: bool = False, opened=None) -> tuple[
     """Run one configuration (a plain mapping or DictConfig); return (summary dict, SimResult).
 
     ``opened``: trace.path already opened (a sweep's shared decoded copy)."""
+    return run_prepared(prepare(cfg, opened), progress)
+
+
+def run_prepared(prepared: Prepared, progress: bool = False) -> tuple[dict, object]:
+    """Simulate a configuration :func:`prepare` checked; return (summary dict, SimResult)."""
     from simulator.engine import simulate
 
-    prepared = prepare(cfg, opened)
     bar = _progress_bar(prepared.source, progress)
     t0 = time.perf_counter()
     try:

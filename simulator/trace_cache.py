@@ -169,6 +169,19 @@ class CachedTrace:
         for _ in self._chunks(self._build_tokens, False, False, 0, False, build_only=True):
             pass
 
+    def keeps_order(self, order_r: int) -> bool:
+        """Whether the top-``order_r`` order of unselected logit ids is kept beside the copy (a
+        run asking for it reads it instead of ranking the logits)."""
+        r = order_width(self.meta, order_r)
+        return not r or any(kept >= r for kept in self._orders)
+
+    def keep_order(self, order_r: int) -> None:
+        """Rank the copy's logits into its kept top-``order_r`` order now, if it is not kept yet
+        (a pass that reads nothing else; the copy is built first where it is not there)."""
+        if not self.keeps_order(order_r):
+            for _ in self.iter_chunks(logits=False, order_r=order_r):
+                pass
+
     def _size(self, max_tokens: int | None, logits: bool = True) -> int:
         """Tokens per chunk: as given, else ~CHUNK_BYTES of what is decoded (``logits``: they are)."""
         return default_max_tokens(self.meta, logits) if max_tokens is None else int(max_tokens)

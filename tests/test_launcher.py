@@ -140,6 +140,35 @@ def test_jobs_read_the_trace_themselves_where_the_sweeps_decoding_fails(trace, t
         comparable(p.name, p) == comparable(p.name, tmp_path / "basic" / p.parent.name / p.name) for p in summaries)
 
 
+SLOW_RANKING = """
+import atexit, threading, time, simulator.trace_cache as tc
+ranked = []
+rank = tc.stored_logit_order
+def slow(*args, **kw):
+    ranked.append(threading.current_thread().name)
+    time.sleep(0.5)  # long enough for both simulation threads to ask for the order meanwhile
+    return rank(*args, **kw)
+tc.stored_logit_order = slow
+atexit.register(lambda: print(f"ranked on: {sorted(ranked)}"))
+"""
+
+
+def test_the_sweeps_jobs_share_one_ranking_of_the_logits(trace, tmp_path):
+    """Jobs that walk the top-R order wait for one pass that keeps it, on the decoding thread,
+    instead of each ranking the logits while that pass runs; results as the basic launcher's."""
+    sweep = ["policy=rule015,quality_first", "cache.fraction=0.25,0.5"]
+    proc = moe_sim("-m", f"trace.path={trace}", *sweep, "hydra.launcher.workers=2",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cache=tmp_path / "cache", code=SLOW_RANKING)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ranked on: ['decode_0']" in proc.stdout  # the trace is one chunk: one ranking in all
+    basic = moe_sim("-m", f"trace.path={trace}", *sweep, f"hydra.sweep.dir={tmp_path / 'basic'}",
+                    "hydra/launcher=basic", cache=tmp_path / "cache")
+    assert basic.returncode == 0, basic.stderr[-3000:]
+    summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
+    assert len(summaries) == 4 and all(
+        comparable(p.name, p) == comparable(p.name, tmp_path / "basic" / p.parent.name / p.name) for p in summaries)
+
+
 def test_shared_trace_cache_is_used_and_kept_with_trace_cache(trace, tmp_path):
     proc = moe_sim("-m", f"trace.path={trace}", "policy=fetch_all,rule015", "trace.cache=true",
                    f"hydra.sweep.dir={tmp_path / 'sweep'}", cache=tmp_path / "cache",
