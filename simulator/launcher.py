@@ -11,7 +11,9 @@ is where the simulation runs:
 - each trace file of the sweep is decoded once, into the trace cache (simulator/trace_cache.py):
   the shared copy when the job sets ``trace.cache=true``, otherwise a private copy in the sweep
   directory, removed when the jobs are done; a thread of its own decodes it while this thread
-  composes the sweep's configs, and the simulations over it wait for it;
+  composes the sweep's configs, and the simulations over it wait for it; the jobs that walk the
+  top-R order of unselected logit ids wait for one ranking pass on that thread, which keeps the
+  order beside the copy (:meth:`SharedTraces.order`);
 - each job's simulation starts on a thread pool as soon as its config is composed
   (``hydra.launcher.workers`` at once; the Numba kernel releases the GIL), while this thread
   composes further configs and lets ``run_job`` record finished jobs in job order. The job's
