@@ -174,12 +174,12 @@ def test_a_sweep_with_input_failures_records_each_and_exits_2_without_traceback(
 def test_a_job_failing_on_a_non_input_error_leaves_its_error_txt(trace, tmp_path):
     """A fault of the program (not of the input) still fails only its job, with error.txt
     naming the exception; the sweep exits 1."""
-    plant = ("real = run.simulate_config\n"
-             "def flaky(cfg, progress=False, opened=None):\n"
-             "    if cfg['policy']['name'] == 'rule015':\n"
+    plant = ("real = run.run_prepared\n"  # every launcher's simulation of a checked config
+             "def flaky(prepared, progress=False):\n"
+             "    if prepared.cfg['policy']['name'] == 'rule015':\n"
              "        raise RuntimeError('engine state went wrong')\n"
-             "    return real(cfg, progress, opened)\n"
-             "run.simulate_config = flaky")
+             "    return real(prepared, progress)\n"
+             "run.run_prepared = flaky")
     sweep = tmp_path / "sweep"
     proc = moe_sim("-m", f"trace.path={trace}", "policy=fetch_all,rule015", f"hydra.sweep.dir={sweep}",
                    code=plant)

@@ -291,3 +291,20 @@ def test_progress_reports_tokens_read():
     seen = []
     simulate(source, params(source.meta), progress=seen.append, chunk_tokens=2)
     assert seen == [2, 4, 5]
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
+@pytest.mark.parametrize("bad", [-1, 8, -32768])
+def test_expert_ids_out_of_range_are_refused_in_any_id_type(dtype, bad):
+    """check_chunk reads the ids as unsigned in one pass: a negative id must fail like one >= E."""
+    from simulator.engine import check_chunk
+
+    source = trace([[[0, 7]], [[3, 4]]])
+    p = params(source.meta)
+    chunk = source.chunk
+    chunk.experts = np.asarray(chunk.experts, dtype=dtype)
+    check_chunk(chunk, p)  # ids 0..7 of 8 experts
+    chunk.experts = chunk.experts.copy()
+    chunk.experts[1, 0, 1] = bad
+    with pytest.raises(InputError, match=r"expert ids must lie in \[0, 8\)"):
+        check_chunk(chunk, p)

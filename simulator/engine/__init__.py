@@ -197,6 +197,13 @@ def check_params(params: SimParams, meta: TraceMeta) -> None:
         )
 
 
+def _largest_unsigned(ids: np.ndarray) -> int:
+    """The largest of ``ids`` read as unsigned (one pass, where min and max take two)."""
+    if ids.dtype.kind == "i":
+        ids = np.ascontiguousarray(ids).view(ids.dtype.str.replace("i", "u"))
+    return int(ids.max())
+
+
 def check_chunk(chunk: TraceChunk, params: SimParams) -> None:
     """Raise InputError where a chunk breaks the TraceChunk contract the engines rely on."""
     if chunk.experts.ndim != 3 or chunk.experts.shape[1:] != (params.num_layers, params.top_k):
@@ -204,7 +211,7 @@ def check_chunk(chunk: TraceChunk, params: SimParams) -> None:
     T = chunk.num_tokens
     if T == 0:
         return
-    if chunk.experts.min() < 0 or chunk.experts.max() >= params.num_experts:
+    if _largest_unsigned(chunk.experts) >= params.num_experts:  # a negative id wraps above E
         raise InputError(f"expert ids must lie in [0, {params.num_experts})")
     if chunk.logits.shape[0] not in (0, T):
         raise InputError("chunk logits must cover every token or none")

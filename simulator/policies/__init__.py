@@ -24,6 +24,7 @@ with help text); moe-sim exposes them under the family's config section.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import typing
 from collections.abc import Iterator, Mapping
@@ -38,13 +39,17 @@ class Registry(Mapping):
 
     def __init__(self, family: str, package: str, names: tuple[str, ...]):
         self.family, self.package, self._names = family, package, names
+        self._modules: dict[str, ModuleType] = {}  # imported so far (a run asks ~40 times)
 
     def __getitem__(self, name: str) -> ModuleType:
-        if name not in self._names:
-            raise InputError(
-                f"{self.family} '{name}' is not known; choose one of: {', '.join(self._names)}"
-            )
-        return importlib.import_module(f"{self.package}.{name}")
+        module = self._modules.get(name)
+        if module is None:
+            if name not in self._names:
+                raise InputError(
+                    f"{self.family} '{name}' is not known; choose one of: {', '.join(self._names)}"
+                )
+            module = self._modules[name] = importlib.import_module(f"{self.package}.{name}")
+        return module
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -95,8 +100,10 @@ FAMILIES = ("eviction", "miss_rule", "miss_action", "substitute", "admission", "
             "prefetch")
 
 
+@functools.cache
 def registries() -> dict[str, Registry]:
-    """Each family's registry, by the name the engines call its hooks under."""
+    """Each family's registry, by the name the engines call its hooks under (one dict: do not
+    change it)."""
     from simulator.policies import (
         admission,
         eviction,
