@@ -44,8 +44,13 @@ def main() -> None:
     runs = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="sweeps-side-by-side-") as work:
         work = Path(work)
-        trace = work / "trace.parquet"
+        trace, one = work / "trace.parquet", work / "one_token.parquet"
         synth(trace, args.tokens, 48, 512, 10)
+        synth(one, 1, 48, 512, 10)
+        for name, tree in trees.items():  # untimed: each tree compiles its kernels, or loads them
+            os.chdir(tree)
+            os.environ["PYTHONPATH"] = str(tree)
+            run_sweep(one, work / f"{name}-warm", "default", workers, POLICIES, FRACTIONS)
         for i in range(args.sweeps):
             for name, tree in trees.items():
                 os.chdir(tree)  # `python -m simulator.run` imports the tree it starts in
