@@ -578,7 +578,8 @@ def test_writer_settings_are_checked_before_the_model_runs():
 
     for bad, words in [({"writer": "fork"}, "writer=fork is not valid; choose one of: processes, threads"),
                        ({"writers": -1}, "writers=-1 must be >= 0"),
-                       ({"unit_tokens": -5}, "unit_tokens=-5 must be >= 0")]:
+                       ({"unit_tokens": -5}, "unit_tokens=-5 must be >= 0"),
+                       ({"recording_stream": "other"}, "recording_stream=other is not valid; choose one of: side, main")]:
         with pytest.raises(InputError, match=words):  # before the input paths are looked at
             check_config(CaptureConfig(**bad))
     with pytest.raises(InputError, match="input.paths is empty"):
@@ -629,14 +630,19 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
                 "--batch-sizes", "1,4", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
                 "--lookahead-depth", "1", "--writers", "2,1", "--writer", "processes,threads,dispatcher",
-                "--unit-tokens", "30", "--shared-rows", "1,0", "--out", str(out)])
+                "--unit-tokens", "30", "--shared-rows", "1,0", "--recording-stream", "side,main", "--out", str(out)])
     result = json.loads(out.read_text())
     writers = ("processes", "threads", "dispatcher")  # side by side in the same rounds: one forward for all
-    assert [(r["writer"], r["writers"], r["batch_size"], r["shared_rows"]) for r in result["runs"]] == [
-        (w, n, b, s) for n in (2, 1) for b in (1, 4) for s in (True, False) for w in writers]
-    for i in range(0, len(result["runs"]), 3):
-        same = result["runs"][i:i + 3]
+    streams = ("side", "main")
+    assert [(r["writer"], r["recording_stream"], r["writers"], r["batch_size"], r["shared_rows"])
+            for r in result["runs"]] == [
+        (w, st, n, b, s) for n in (2, 1) for b in (1, 4) for s in (True, False) for w in writers for st in streams]
+    for i in range(0, len(result["runs"]), 6):
+        same = result["runs"][i:i + 6]
         assert len({(r["forward_tokens_per_s"], tuple(r["rounds_s"]["forward"])) for r in same}) == 1
+        # the hooks pass of a stream is shared by its writers, and the two streams' are two passes
+        hooks = {r["recording_stream"]: tuple(r["rounds_s"]["hooks"]) for r in same}
+        assert all(tuple(r["rounds_s"]["hooks"]) == hooks[r["recording_stream"]] for r in same)
     assert result["device"] == "cpu"
     for r in result["runs"]:
         assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x")
@@ -649,16 +655,19 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         (c,), (f,) = r["rounds_s"]["capture"], r["rounds_s"]["forward"]
         assert (c - 5e-4) / (f + 5e-4) - 1e-3 <= 1 + r["capture_overhead_by_round_pct"] / 100 <= (c + 5e-4) / (f - 5e-4) + 1e-3
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert len(table) == 24 and [table[i].split("|")[3:5] for i in (9, 13, 17)] == [
-        [" 2 processes, 30-token units, rows copied ", " 4 "], [" 1 threads, 30-token units, rows shared in place ", " 1 "],
-        [" 1 dispatcher, 30-token units, rows copied ", " 1 "]]
+    assert len(table) == 48 and [table[i].split("|")[3:5] for i in (18, 27, 35)] == [
+        [" 2 processes, 30-token units, rows copied, recording on the side stream ", " 4 "],
+        [" 1 threads, 30-token units, rows shared in place, recording on the main stream ", " 1 "],
+        [" 1 dispatcher, 30-token units, rows copied, recording on the main stream ", " 1 "]]
 
 
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
                                              (["--repeats", "0"], "--repeats 0: rounds must be at least 1"),
                                              (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers"),
                                              (["--writers", "4,x"], "--writers 4,x: give whole numbers"),
-                                             (["--shared-rows", "1,yes"], "--shared-rows 1,yes: give 1 or 0")])
+                                             (["--shared-rows", "1,yes"], "--shared-rows 1,yes: give 1 or 0"),
+                                             (["--recording-stream", "side,both"],
+                                              "--recording-stream both is not valid")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
     from traces.capture import bench
 

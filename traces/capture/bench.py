@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from traces.atomic import atomic_write_text
-from traces.capture.config import WRITERS, CaptureConfig, LookaheadConfig, ModelConfig
+from traces.capture.config import (
+    RECORDING_STREAMS,
+    WRITERS,
+    CaptureConfig,
+    LookaheadConfig,
+    ModelConfig,
+)
 from traces.capture.cores import descendants, processes
 
 
@@ -98,10 +104,12 @@ def _children_cpu() -> float:
 
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
-                     repeats: int = 3, writers: tuple[str, ...] = ()) -> list[dict]:
+                     repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = ()) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
-    in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``), all in
-    the same rounds, side by side; one result per writer, the forward and the hooks shared."""
+    in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``), and
+    ``streams``: with each of these recording streams (default: ``cfg.recording_stream``), all in
+    the same rounds, side by side; one result per writer and stream, the forward shared, the hooks
+    shared by the writers of a stream."""
     from traces.capture.capture import (
         batch_tokens,
         build_meta,
@@ -115,17 +123,20 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     tokens = sum(len(w.tokens) for w in windows)
     probs = router_returns_probabilities(model, sites)
     writers = tuple(writers) or (cfg.writer,)
+    streams = tuple(streams) or (cfg.recording_stream,)
+    variants = [(w, s) for w in writers for s in streams]
 
-    def hooks() -> dict:
-        return capture_windows(model, sites, windows, cfg, lambda rows: None, logits_are_probs=probs)
+    def hooks(stream: str) -> dict:
+        return capture_windows(model, sites, windows, replace(cfg, recording_stream=stream), lambda rows: None,
+                               logits_are_probs=probs)
 
-    # per writer and capture pass: the loop's end to the file closed, the start to the writer open
+    # per variant and capture pass: the loop's end to the file closed, the start to the writer open
     # (its fixed cost), the writer's tokens per row group
-    closes: dict[str, list[float]] = {w: [] for w in writers}
-    opens: dict[str, list[float]] = {w: [] for w in writers}
-    units: dict[str, list[int]] = {w: [] for w in writers}
+    closes: dict[tuple, list[float]] = {v: [] for v in variants}
+    opens: dict[tuple, list[float]] = {v: [] for v in variants}
+    units: dict[tuple, list[int]] = {v: [] for v in variants}
 
-    def capture(writer: str) -> Timed:
+    def capture(writer: str, stream: str) -> Timed:
         """Timed from the start to the file closed: removing the file after it (a 131,072-token
         trace of the 30B shape is 1.4 GB of page cache) is no part of a capture."""
         start = time.perf_counter()
@@ -133,42 +144,49 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         with tempfile.TemporaryDirectory() as tmp:
             with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, writer, cfg.unit_tokens,
                              batch_tokens(cfg)) as w:
-                opens[writer].append(time.perf_counter() - start)
-                units[writer].append(w.unit_tokens)
-                stats = capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()),
-                                        logits_are_probs=probs, block=w.block if cfg.shared_rows else None)
+                opens[writer, stream].append(time.perf_counter() - start)
+                units[writer, stream].append(w.unit_tokens)
+                stats = capture_windows(model, sites, windows, replace(cfg, recording_stream=stream),
+                                        lambda rows: w.write(**rows.columns()), logits_are_probs=probs,
+                                        block=w.block if cfg.shared_rows else None)
                 end = time.perf_counter()
             closed = time.perf_counter()
-            closes[writer].append(closed - end)
+            closes[writer, stream].append(closed - end)
         return Timed(closed - start, stats)
 
-    modes = {"forward": lambda: _forward_only(model, windows, cfg.batch_size), "hooks": hooks}
-    modes.update({_mode(w): (lambda w=w: capture(w)) for w in writers})
+    modes = {"forward": lambda: _forward_only(model, windows, cfg.batch_size)}
+    modes.update({_hooks_mode(s): (lambda s=s: hooks(s)) for s in streams})
+    modes.update({_mode(w, s): (lambda w=w, s=s: capture(w, s)) for w, s in variants})
     with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all passes alike
         t, last, rounds, cpu = _timed_rounds(modes, repeats)
-    return [_overhead(cfg, writer, tokens, t, rounds, cpu, last[_mode(writer)], units[writer], closes[writer],
-                      opens[writer], cpu_of_model) for writer in writers]
+    return [_overhead(cfg, w, s, tokens, t, rounds, cpu, last[_mode(w, s)], units[w, s], closes[w, s],
+                      opens[w, s], cpu_of_model) for w, s in variants]
 
 
-def _mode(writer: str) -> str:
-    return f"capture ({writer})"
+def _mode(writer: str, stream: str) -> str:
+    return f"capture ({writer}, recording on the {stream} stream)"
 
 
-def _overhead(cfg: CaptureConfig, writer: str, tokens: int, t: dict, rounds: dict, cpu: dict, stats: dict,
-              units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
-    """One writer's result of :func:`measure_overhead`, its capture mode named ``capture``."""
-    mode = _mode(writer)
-    t_fwd, t_hooks, t_cap = t["forward"], t["hooks"], t[mode]
+def _hooks_mode(stream: str) -> str:
+    return f"hooks (recording on the {stream} stream)"
+
+
+def _overhead(cfg: CaptureConfig, writer: str, stream: str, tokens: int, t: dict, rounds: dict, cpu: dict,
+              stats: dict, units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
+    """One variant's result of :func:`measure_overhead`, its modes named ``hooks`` and ``capture``."""
+    mode, hooks = _mode(writer, stream), _hooks_mode(stream)
+    t_fwd, t_hooks, t_cap = t["forward"], t[hooks], t[mode]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
-    rounds = {"forward": rounds["forward"], "hooks": rounds["hooks"], "capture": rounds[mode]}
-    cpu = {"forward": cpu["forward"], "hooks": cpu["hooks"], "capture": cpu[mode]}
+    rounds = {"forward": rounds["forward"], "hooks": rounds[hooks], "capture": rounds[mode]}
+    cpu = {"forward": cpu["forward"], "hooks": cpu[hooks], "capture": cpu[mode]}
     return {
         "logits": cfg.logits,
         "lookahead": _lookahead_label(cfg.lookahead),
         "batch_size": cfg.batch_size,
         "writers": _workers(cfg),
         "writer": writer,
+        "recording_stream": stream,
         "unit_tokens": units[-1],
         "model_cpu": cpu_of_model,
         "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
@@ -231,6 +249,8 @@ def overhead_table(bench: dict) -> list[str]:
             encoders += f", model's thread on CPU {r['model_cpu']}"
         if "shared_rows" in r:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
+        if "recording_stream" in r:
+            encoders += f", recording on the {r['recording_stream']} stream"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
@@ -278,6 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-rows", default="1" if defaults.shared_rows else "0",
                    help="1: the device writes the rows into the encoders' shared memory (moe-capture's "
                         "shared_rows), 0: through pinned buffers, copied; comma-separated to compare")
+    p.add_argument("--recording-stream", default=defaults.recording_stream,
+                   help=f"where the recording's device work runs: {', '.join(RECORDING_STREAMS)}; comma-separated "
+                        f"to compare them in the same rounds (default: {defaults.recording_stream})")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
@@ -286,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     bad = [w for w in args.writer.split(",") if w not in WRITERS]
     if bad:
         p.error(f"--writer {bad[0]} is not valid; choose from: {', '.join(WRITERS)}")
+    bad = [s for s in args.recording_stream.split(",") if s not in RECORDING_STREAMS]
+    if bad:
+        p.error(f"--recording-stream {bad[0]} is not valid; choose from: {', '.join(RECORDING_STREAMS)}")
     units, encoders = _counts(p, "--unit-tokens", args.unit_tokens), _counts(p, "--writers", args.writers)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
@@ -315,9 +341,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = replace(defaults, logits=logits, batch_size=bs, writers=workers, writer=writers[0],
                       lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window),
                       pin_threads=pin == "1", shared_rows=share == "1")
-        for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers):
+        for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
+                                  tuple(args.recording_stream.split(","))):
             results["runs"].append(r)
-            print(f"{name} logits={logits} writer={r['writer']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
+            print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
                   f"model's CPU "
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
                   f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "

@@ -6,9 +6,9 @@ of a window); the simulator replays it as generation. ``generate``: each window'
 ``prompt_tokens`` are a prompt (one prefill forward, left-padded), then ``new_tokens`` decode
 steps with the KV cache; every token fed to the model is recorded. Padding never enters the trace.
 
-Device work is never waited on inside the loop. On the device, the recorded logits are cut to
-what the trace stores (top R with ids, as ``traces.format`` would select them on the host), then
-copied on a side stream into the sink's shared memory (``shared_rows``, registered with CUDA),
+Device work is never waited on inside the loop. On the device, on a side stream of their own
+(beside the next forward; ``recording_stream``), the recorded logits are cut to what the trace
+stores (top R with ids, as ``traces.format`` would select them on the host), then copied into the sink's shared memory (``shared_rows``, registered with CUDA),
 or else into pinned host memory; a drain thread hands each batch to the sink, by default a
 :class:`~traces.capture.writer.ParallelTraceWriter` whose encoder processes read the rows where
 the device wrote them and encode row groups in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
@@ -16,6 +16,7 @@ the loop wait (``blocked_s`` in the summary).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import queue
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from traces.atomic import remove_orphans
-from traces.capture.config import WRITERS, CaptureConfig
+from traces.capture.config import RECORDING_STREAMS, WRITERS, CaptureConfig
 from traces.capture.cores import isolated, leave_model_core
 from traces.capture.dispatch import DispatchedTraceWriter
 from traces.capture.hooks import (
@@ -151,13 +152,17 @@ class _Drain:
     processes read them in place. Without it (or where the registration fails), the rows go
     through pinned buffers of torch's own and the sink copies them.
 
+    With ``side`` (the default), the recording's own device work (:meth:`beside`) runs on the
+    drain's stream too.
+
     ``blocked_s`` counts the seconds the capture loop waited because the sink fell behind.
     """
 
-    def __init__(self, write, device: torch.device, depth: int = 3, block=None):
+    def __init__(self, write, device: torch.device, depth: int = 3, block=None, side: bool = True):
         self._write = write
         self._block = block
         self._cuda = device.type == "cuda"
+        self._side = side
         # copies on a stream of their own overlap the next forward instead of queueing behind it
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -182,6 +187,27 @@ class _Drain:
                                            for k, v in copies.items()}))
             except BaseException as e:  # re-raised in the capture loop
                 self._error = e
+
+    @contextlib.contextmanager
+    def beside(self, *inputs: torch.Tensor | None):
+        """Run the device work issued inside on the drain's stream, after what the model's stream
+        has queued so far: a block's top-R selection, NLL and stacking then run beside the next
+        forward instead of ahead of it (that work is milliseconds per forward of a small model at
+        batch 16; a forward whose inputs are copied from pageable memory waits for its stream).
+
+        ``inputs``: the model's tensors that work reads (router outputs, LM logits, input ids),
+        kept from the allocator until the drain's stream is past them. Without ``side`` or a GPU,
+        the work stays where it is.
+        """
+        if not (self._cuda and self._side):
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        for t in inputs:
+            if t is not None:
+                t.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            yield
 
     def put(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]) -> None:
         """Queue one block of rows: host arrays as they are, device tensors copied asynchronously."""
@@ -359,8 +385,9 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
         pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
         slots_np = np.concatenate([b * S + np.arange(n) for b, n in enumerate(lengths)])
         slots = None if mask is None else torch.from_numpy(slots_np).to(device)  # None: every slot is a token
-        dev = stored(routing, slots)
-        dev["nll"] = _real(token_nll(out.logits, input_ids).reshape(-1), slots)
+        with drain.beside(*routing.tensors(), out.logits, input_ids, slots):
+            dev = stored(routing, slots)
+            dev["nll"] = _real(token_nll(out.logits, input_ids).reshape(-1), slots)
         host = {
             "seq": np.repeat([w.seq for w in batch], lengths).astype(np.int32),
             "pos": pos,
@@ -435,9 +462,10 @@ def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, d
             [np.concatenate([b * P + np.arange(P - plen[b], P), B * P + np.arange(N) * B + b]) for b in range(B)]
         )
         slots = torch.from_numpy(slots_np).to(device)
-        dev = stored(StepRouting.cat(steps), slots)
-        dev["nll"] = torch.cat(nlls).index_select(0, slots)
-        dev["token_id"] = torch.cat(toks).index_select(0, slots).to(torch.int32)
+        with drain.beside(*(t for step in steps for t in step.tensors()), *nlls, *toks, slots):
+            dev = stored(StepRouting.cat(steps), slots)
+            dev["nll"] = torch.cat(nlls).index_select(0, slots)
+            dev["token_id"] = torch.cat(toks).index_select(0, slots).to(torch.int32)
         counts = plen + N
         pos = np.concatenate([np.arange(n, dtype=np.int32) for n in counts])
         host = {
@@ -556,6 +584,9 @@ def check_config(cfg: CaptureConfig) -> None:
         raise InputError(f"unit_tokens={cfg.unit_tokens} must be >= 0 (0: one forward's tokens, within 1 to 8 MiB of rows)")
     if cfg.writer not in WRITERS:
         raise InputError(f"writer={cfg.writer} is not valid; choose one of: {', '.join(WRITERS)}")
+    if cfg.recording_stream not in RECORDING_STREAMS:
+        raise InputError(f"recording_stream={cfg.recording_stream} is not valid; choose one of: "
+                         f"{', '.join(RECORDING_STREAMS)}")
     if cfg.prefill_tokens < 0:
         raise InputError(f"prefill_tokens={cfg.prefill_tokens} must be >= 0")
     if cfg.mode == "generate" and (cfg.generate.prompt_tokens < 1 or cfg.generate.new_tokens < 0):
@@ -580,7 +611,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     missing = None
     if storage.lookahead:
         missing = torch.from_numpy(lookahead_missing(len(sites), storage.lookahead.depth)).to(model.device)
-    drain = _Drain(write, model.device, block=block)
+    drain = _Drain(write, model.device, block=block, side=cfg.recording_stream == "side")
     counted = [0]
 
     def stored(routing: StepRouting, slots: torch.Tensor | None) -> dict[str, torch.Tensor]:

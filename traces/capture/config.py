@@ -51,6 +51,7 @@ class LookaheadConfig:
 
 
 WRITERS = ("processes", "threads", "dispatcher")  # CaptureConfig.writer
+RECORDING_STREAMS = ("side", "main")  # CaptureConfig.recording_stream
 
 
 @dataclass
@@ -79,5 +80,10 @@ class CaptureConfig:
     # rows go from the device straight into shared memory that the encoder processes read in place
     # (registered with CUDA once per slab); false: through torch's pinned buffers, copied once more
     shared_rows: bool = True
+    # where the recording's own device work runs (stacking the layers, the top-R selection, the NLL):
+    # side (a stream of its own, beside the next forward) | main (the model's stream, ahead of the
+    # next forward). Same rows either way; side keeps that work off a forward that waits for its
+    # stream (e.g. when it copies its inputs from pageable memory)
+    recording_stream: str = "side"
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal

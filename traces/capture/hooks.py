@@ -52,6 +52,10 @@ class StepRouting:
         return cls(experts=join("experts"), weights=join("weights"), logits=join("logits"),
                    lookahead=join("lookahead"))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held (those not None)."""
+        return [t for t in (self.experts, self.weights, self.logits, self.lookahead) if t is not None]
+
 
 @dataclass(frozen=True)
 class Lookahead:
