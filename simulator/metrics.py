@@ -180,9 +180,13 @@ mass (``MASS_BINS`` bins); ``sim_end_us`` is the simulated clock at the end."""
 
 
 def build_result(tokens: dict[str, np.ndarray], layer_counts: np.ndarray, layer_sums: np.ndarray,
-                 run_counts: np.ndarray, mass_hist: np.ndarray, sim_end_us: float) -> SimResult:
+                 run_counts: np.ndarray, mass_hist: np.ndarray, sim_end_us: float,
+                 own_mass_hist: bool = False) -> SimResult:
     """A SimResult from an engine's counters (``layer_counts`` int64[L, len(LAYER)],
-    ``layer_sums`` float64[L, len(LAYER_SUMS)], ``run_counts`` int64[len(RUN)])."""
+    ``layer_sums`` float64[L, len(LAYER_SUMS)], ``run_counts`` int64[len(RUN)]).
+
+    The per-token arrays are taken as they are where their type is right (an engine passes
+    arrays of its own); ``own_mass_hist``: the histogram too (0.8 MB), else it is copied."""
     values = {m.name: np.asarray(tokens[m.name], dtype=m.dtype) for m in (*TOKEN_IDS, *TOKEN)}
     for i, m in enumerate(LAYER):
         values[f"layer_{m.name}"] = np.array(layer_counts[:, i], dtype=np.int64)
@@ -190,7 +194,7 @@ def build_result(tokens: dict[str, np.ndarray], layer_counts: np.ndarray, layer_
         values[f"layer_{m.name}"] = np.array(layer_sums[:, i], dtype=np.float64)
     for i, m in enumerate(RUN):
         values[m.name] = int(run_counts[i])
-    values["mass_hist"] = np.array(mass_hist, dtype=np.int64)
+    values["mass_hist"] = np.array(mass_hist, dtype=np.int64, copy=None if own_mass_hist else True)
     values["sim_end_us"] = float(sim_end_us)
     return SimResult(**values)
 

@@ -137,6 +137,10 @@ class CachedTrace:
     """
 
     keeps_logit_order = True  # an order_r asked for once is kept beside the copy (candidate_order_<R>)
+    # every chunk was checked against the trace's metadata when decoded: the copy holds what the
+    # validating reader returned (traces.format.find_problem), its integrity checked on opening,
+    # and a first pass streams from that reader; so simulate() need not check the chunks again
+    chunks_checked = True
 
     def __init__(self, path: Path, directory: Path, manifest: dict | None, max_tokens: int | None):
         self.path, self.directory = path, directory

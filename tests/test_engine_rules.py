@@ -308,3 +308,25 @@ def test_expert_ids_out_of_range_are_refused_in_any_id_type(dtype, bad):
     chunk.experts[1, 0, 1] = bad
     with pytest.raises(InputError, match=r"expert ids must lie in \[0, 8\)"):
         check_chunk(chunk, p)
+
+
+def test_the_kernel_result_takes_the_runs_arrays_and_ends_the_run():
+    """KernelSimulator.result() hands its own arrays to the result instead of copying them, so a
+    chunk after it is refused rather than written into a result already returned; one chunk's
+    outputs and several chunks' agree."""
+    from simulator.engine.kernel import KernelSimulator
+
+    source = trace([[[0, 7]], [[3, 4]], [[0, 3]], [[5, 6]]])
+    p = params(source.meta)
+    whole = KernelSimulator(p, source.meta)
+    whole.run_chunk(source.chunk)
+    one = whole.result()
+    with pytest.raises(RuntimeError, match="result\\(\\) took its arrays"):
+        whole.run_chunk(source.chunk)
+    parts = KernelSimulator(p, source.meta)
+    for chunk in source.iter_chunks(2):
+        parts.run_chunk(chunk)
+    two = parts.result()
+    for name in ("time_us", "hits", "fetches", "seq", "pos", "mass_hist", "layer_hits"):
+        assert np.array_equal(getattr(one, name), getattr(two, name)), name
+    assert not np.shares_memory(one.seq, source.chunk.seq)  # ids copied out of the chunk

@@ -158,6 +158,25 @@ def test_simulating_from_the_cache_equals_the_reader(trace_file, tmp_path):
         assert np.array_equal(a.time_us, b.time_us) and np.array_equal(a.layer_hits, b.layer_hits)
 
 
+def test_chunks_from_the_copy_are_not_checked_again_but_other_sources_are(trace_file, tmp_path, monkeypatch):
+    """The copy holds what the validating reader decoded: simulate() skips check_chunk for it
+    (a pass over the copy or the first, building one) and still checks a plain source's chunks."""
+    import simulator.engine as engine
+    from traces.format import ArraySource, concat_chunks
+
+    checked = []
+    monkeypatch.setattr(engine, "check_chunk", lambda chunk, params: checked.append(chunk.num_tokens))
+    cached = cached_source(trace_file, tmp_path / "c")  # not built: this pass builds it
+    params = build_params(OmegaConf.to_container(compose(["policy=fetch_all"]), resolve=True), cached.meta)[0]
+    first = simulate(cached, params, chunk_tokens=32)
+    again = simulate(cached_source(trace_file, tmp_path / "c"), params, chunk_tokens=32)
+    assert checked == [] and np.array_equal(first.time_us, again.time_us)
+    with open_trace(trace_file) as reader:
+        plain = ArraySource(reader.meta, concat_chunks(list(reader.iter_chunks())))
+    simulate(plain, params, chunk_tokens=32)
+    assert sum(checked) == plain.num_tokens
+
+
 # --- integrity: keyed by content, verified when opened ------------------------------------------
 
 

@@ -101,9 +101,13 @@ def simulate(
         row = 0
         # the kernel reads the ids as stored (int16): a source that holds them so skips widening
         options = dict(read_options(params, source), **({"stored_ids": True} if engine == "numba" else {}))
+        # a source whose chunks were checked against the trace's metadata as they were decoded
+        # (the trace cache) is not checked again: params match that metadata (check_params)
+        checked = bool(getattr(source, "chunks_checked", False))
         for chunk in source.iter_chunks(chunk_tokens, **options):
             tokens_done += chunk.num_tokens
-            check_chunk(chunk, params)
+            if not checked:
+                check_chunk(chunk, params)
             chunk = after_group(chunk, skipped)
             if chunk.num_tokens:
                 stop = row + chunk.num_tokens

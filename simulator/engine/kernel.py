@@ -100,7 +100,11 @@ def _trim(core, ev, c, p, stamp):
         x = ix(eviction.victim(core, ev, c, p, stamp))
         if LIST_RESIDENTS:
             unlist_resident(core, x, c.layer_of[x])
-        drop(core, c, x, p)
+        if BACKGROUND:
+            drop(core, c, x, p)
+        else:  # no background arrival: nothing resident is fresh (drop's other half)
+            core.resident[x] = 0
+            core.pools[p, BYTES] -= c.expert_bytes[ix(c.layer_of[x])]
     eviction.end_trim(core, ev, c, p)
 
 
@@ -108,7 +112,11 @@ def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
     """Decide a synchronous fetch of x: it is resident at once (its transfer is timed with the
     step's other fetches, simulator.engine.link.sync_fetches); returns the step's fetch count."""
     link.fetch_x[ix(n_fetch)] = x
-    make_resident(core, c, x, layer, p)
+    if BACKGROUND:
+        make_resident(core, c, x, layer, p)
+    else:  # no background arrival: every resident came on demand (src stays DEMAND, 0), none fresh
+        core.resident[x] = 1
+        core.pools[p, BYTES] += c.expert_bytes[layer]
     if LIST_RESIDENTS:
         list_resident(core, x, layer)
     eviction.on_insert(core, ev, c, x, p, s)
@@ -367,11 +375,12 @@ class KernelSimulator:
         self.params = params
         self.layout = make_layout(params, meta)
         names = chosen(params)
-        self.kernels = kernels(tuple(names.items()), kernel_needs(params, self.layout))
+        needs = kernel_needs(params, self.layout)
+        self.kernels = kernels(tuple(names.items()), needs)
         mods = modules(names)
         self.consts = make_consts(params, self.layout)
         self.core = make_core_state(params, self.layout)
-        self.link = make_link_state(params, self.layout)
+        self.link = make_link_state(params, self.layout, background=needs.background)
         self.policy_states = (
             mods["eviction"].make_state(params, self.layout, first_use),
             mods["miss_rule"].make_state(params),
@@ -390,6 +399,7 @@ class KernelSimulator:
         self._tokens: list[dict[str, np.ndarray]] = []
         self.decode_tokens = 0  # decode tokens run so far (derived_counts)
         self.warm_inserts = 0  # experts the warm-up made resident (derived_counts)
+        self._ended = False  # result() hands the run's arrays over: no chunk after it
 
     @property
     def resident(self) -> np.ndarray:
@@ -411,6 +421,8 @@ class KernelSimulator:
 
     def run_chunk(self, chunk: TraceChunk, next_use: np.ndarray | None = None) -> None:
         """Simulate every group of a chunk; ``next_use``: int32[T, L, k] rows (belady)."""
+        if self._ended:
+            raise RuntimeError("this simulator's run has ended: result() took its arrays")
         T = chunk.num_tokens
         out = TokenOut(*(np.empty(T, m.dtype) for m in TOKEN))
         logits, bits = self._no_logits, self._no_bits
@@ -434,21 +446,26 @@ class KernelSimulator:
         self.kernels.run_chunk(ch, self.consts, self.core, self.link, *self.policy_states, out)
         self.decode_tokens += int(np.count_nonzero(ch.phase == PHASE_DECODE))
         tokens = out._asdict()
-        for name in ("seq", "pos", "phase", "domain"):
-            tokens[name] = np.asarray(getattr(chunk, name))
+        for name in ("seq", "pos", "phase", "domain"):  # copies: the chunk's may be a trace cache's views
+            tokens[name] = np.array(getattr(chunk, name))
         self._tokens.append(tokens)
 
     def result(self):
-        """The run's outputs so far (a simulator.metrics.SimResult)."""
-        tokens = {m.name: np.concatenate([t[m.name] for t in self._tokens] or [np.zeros(0)])
-                  for m in (*TOKEN_IDS, *TOKEN)}
+        """The run's outputs (a simulator.metrics.SimResult); this ends the run.
+
+        The result takes the simulator's own arrays instead of copies (the per-token outputs of
+        a one-chunk run, the 0.8 MB mass histogram: fresh memory costs about a millisecond per
+        run on some hosts), so no chunk may follow."""
+        self._ended = True
+        tokens = {m.name: parts[0] if len(parts) == 1 else np.concatenate(parts or [np.zeros(0)])
+                  for m in (*TOKEN_IDS, *TOKEN) for parts in [[t[m.name] for t in self._tokens]]}
         core = self.core
         layer_counts, run_counts, zero_mass = derived_counts(
             core.layer_counts, core.run_counts, int(core.istate[MASS_STEPS]), self.decode_tokens,
             self.params.top_k, self.warm_inserts - int(np.count_nonzero(core.resident)))
         result = build_result(tokens, layer_counts, core.layer_sums, run_counts,
-                              core.mass_hist, float(core.fstate[CLOCK]))
-        result.mass_hist[0] += zero_mass  # build_result's own copy
+                              core.mass_hist, float(core.fstate[CLOCK]), own_mass_hist=True)
+        result.mass_hist[0] += zero_mass
         return result
 
 

@@ -78,9 +78,15 @@ class LinkState(NamedTuple):
     fetch_pageable: np.ndarray  # int8[X]
 
 
-def make_link_state(params: SimParams, layout: Layout) -> LinkState:
+def make_link_state(params: SimParams, layout: Layout, background: bool = True) -> LinkState:
+    """The link's state. Arrays of what a run never touches are empty: the background queue's
+    without ``background`` (nothing can queue a transfer: kernel_needs), the host-RAM tier's
+    without a tier (no RAM or pinned budget)."""
     L, E = params.num_layers, params.num_experts
+    tier = params.host_ram_budget_bytes >= 0 or params.host_pinned_budget_bytes >= 0
     X = L * E
+    Q = X if background else 0
+    R = X if tier else 0
     eb = np.asarray(params.expert_bytes, dtype=np.float64)
     return LinkState(
         num_experts=E,
@@ -92,22 +98,22 @@ def make_link_state(params: SimParams, layout: Layout) -> LinkState:
         pinned_budget=int(params.host_pinned_budget_bytes),
         cancel_stale=bool(params.options.get("cancel_stale", True)),
         submission_order=params.pcie_copy_order == "submission",
-        pending=np.zeros(X, np.int8),
-        q_x=np.zeros(X, np.int32),
-        q_enqueued=np.zeros(X, np.float64),
-        q_ready=np.zeros(X, np.float64),
-        q_pageable=np.zeros(X, np.int8),
-        q_state=np.zeros(X, np.int8),
-        q_deadline=np.zeros(X, np.int64),
-        done_x=np.zeros(X, np.int32),
-        done_t=np.zeros(X, np.float64),
+        pending=np.zeros(Q, np.int8),
+        q_x=np.zeros(Q, np.int32),
+        q_enqueued=np.zeros(Q, np.float64),
+        q_ready=np.zeros(Q, np.float64),
+        q_pageable=np.zeros(Q, np.int8),
+        q_state=np.zeros(Q, np.int8),
+        q_deadline=np.zeros(Q, np.int64),
+        done_x=np.zeros(Q, np.int32),
+        done_t=np.zeros(Q, np.float64),
         qstate=np.zeros(8, np.int64),
         tstate=np.zeros(2, np.float64),
-        ram=make_lists(X, 2),
-        where=np.zeros(X, np.int8),
+        ram=make_lists(R, 2),
+        where=np.zeros(R, np.int8),
         fetch_x=np.zeros(X, np.int32),
-        fetch_ready=np.zeros(X, np.float64),
-        fetch_pageable=np.zeros(X, np.int8),
+        fetch_ready=np.zeros(R, np.float64),
+        fetch_pageable=np.zeros(R, np.int8),
     )
 
 
