@@ -110,7 +110,14 @@ NOTES = """\
   much that generality costs. Part of the cost was per chunk, not per lookup: the trace cache
   served runs that read no logits in chunks sized for float32 logits (7 kernel calls for this
   trace, each with its dispatch); its chunks are views, now sized by what the run decodes (one
-  call here; 12.2 -> 9.5 ns between the bench runs at 3a03748 and 93011cd).
+  call here; 12.2 -> 9.5 ns between the bench runs at 3a03748 and 93011cd). Part was per run:
+  a 4,096-token run spent 2.6 ms of its ~28 ms outside the kernel, most of it in memory it had
+  just allocated and the host faulted in (this VM pays a few microseconds per fresh page). The
+  result now takes the kernel's own arrays (the 0.8 MB mass histogram, a one-chunk run's outputs)
+  instead of copies, the link's queue and host-RAM-tier arrays are empty where a run never
+  touches them, and the trace cache's chunks are not checked again (the validating reader decoded
+  them): about 1.0 ms outside the kernel. Side by side (`python docs/bench/trees_side_by_side.py`,
+  6 processes per tree of 9 rounds): fetch_all + LRU 1.53-1.76x -> 1.47-1.55x the minimal kernel.
 - **What substitution and LFU themselves cost.** `yardstick.rule_counts` is rule015 + LRU in the
   least code that gives its counts (the gate of each miss, the walk of the top-R order with its
   rows prefetched, the exact scan after it; hits, substitutions and fetches checked equal). In
