@@ -6,26 +6,34 @@ the thread's CPU time, and the CPUs the thread was seen on (sampled every 10 ms)
 From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/pass_drift.py [PASSES] [TOKENS]``
 (writes DIR/pass_drift.json). Result: docs/capture/pass_drift_*.json (docs/CAPTURE.md).
 """
+import argparse
 import collections
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
+import torch
+
+from traces.atomic import atomic_write_text
 from traces.capture.bench import _forward_only
 from traces.capture.config import ModelConfig
 from traces.capture.cores import isolated
 from traces.capture.model import load_model
 from traces.capture.text import make_windows, read_documents
 
-passes = int(sys.argv[1]) if len(sys.argv) > 1 else 12
-tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 131072
+CONFIG = "traces/fixtures/shapes/qwen3_next_small.json"
+p = argparse.ArgumentParser(prog="docs/capture/pass_drift.py", description=__doc__.split("\n\n")[0])
+p.add_argument("passes", nargs="?", type=int, default=12, help="timed passes each way")
+p.add_argument("tokens", nargs="?", type=int, default=131072, help="input tokens per pass")
+args = p.parse_args()
+if min(args.passes, args.tokens) < 1:
+    p.error(f"passes={args.passes}, tokens={args.tokens}: both must be at least 1")
+passes, tokens = args.passes, args.tokens
 out = Path(os.environ.get("OUT", "/tmp/pass_drift"))
 out.mkdir(parents=True, exist_ok=True)
-model, tokenizer, sites, name = load_model(ModelConfig(config="traces/fixtures/shapes/qwen3_next_small.json",
-                                                       tokenizer="traces/fixtures/model"))
+model, tokenizer, sites, name = load_model(ModelConfig(config=CONFIG, tokenizer="traces/fixtures/model"))
 windows, _ = make_windows(read_documents(["docs", "traces", "simulator"]), tokenizer, 512, max_tokens=tokens)
 
 
@@ -59,8 +67,10 @@ def run(label: str) -> list[dict]:
     return rows
 
 
-result = {"tokens": sum(len(w.tokens) for w in windows), "free": run("free")}
+gpu = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None
+result = {"model": name, "config": CONFIG, "device": str(model.device), "gpu": gpu, "batch": 16,
+          "tokens": sum(len(w.tokens) for w in windows), "free": run("free")}
 with isolated(True) as cpu:
     result["pinned"] = run(f"pinned to CPU {cpu}")
     result["pinned_cpu"] = cpu
-(out / "pass_drift.json").write_text(json.dumps(result, indent=2) + "\n")
+atomic_write_text(out / "pass_drift.json", json.dumps(result, indent=2) + "\n")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from traces.atomic import atomic_write_text
 from traces.capture.capture import batch_tokens, build_meta, capture_windows, open_writer
 from traces.capture.config import CaptureConfig, GenerateConfig, ModelConfig
 from traces.capture.hooks import router_returns_probabilities
@@ -79,4 +80,4 @@ result = {
     "profile": {stream: profiled(stream) for stream in ("main", "side")} if torch.cuda.is_available() else None,
 }
 print(json.dumps(result, indent=2))
-(out / "recording_stream_check.json").write_text(json.dumps(result, indent=2) + "\n")
+atomic_write_text(out / "recording_stream_check.json", json.dumps(result, indent=2) + "\n")

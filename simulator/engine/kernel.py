@@ -457,8 +457,10 @@ class KernelSimulator:
         a one-chunk run, the 0.8 MB mass histogram: fresh memory costs about a millisecond per
         run on some hosts), so no chunk may follow."""
         self._ended = True
-        tokens = {m.name: parts[0] if len(parts) == 1 else np.concatenate(parts or [np.zeros(0)])
-                  for m in (*TOKEN_IDS, *TOKEN) for parts in [[t[m.name] for t in self._tokens]]}
+        tokens = {}
+        for m in (*TOKEN_IDS, *TOKEN):
+            parts = [t[m.name] for t in self._tokens]
+            tokens[m.name] = parts[0] if len(parts) == 1 else np.concatenate(parts or [np.zeros(0)])
         core = self.core
         layer_counts, run_counts, zero_mass = derived_counts(
             core.layer_counts, core.run_counts, int(core.istate[MASS_STEPS]), self.decode_tokens,

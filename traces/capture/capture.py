@@ -8,8 +8,8 @@ steps with the KV cache; every token fed to the model is recorded. Padding never
 
 Device work is never waited on inside the loop. On the device, on a side stream of their own
 (beside the next forward; ``recording_stream``), the recorded logits are cut to what the trace
-stores (top R with ids, as ``traces.format`` would select them on the host), then copied into the sink's shared memory (``shared_rows``, registered with CUDA),
-or else into pinned host memory; a drain thread hands each batch to the sink, by default a
+stores (top R with ids, as ``traces.format`` would select them on the host), then copied into
+the sink's shared memory (``shared_rows``, registered with CUDA), or else into pinned host memory; a drain thread hands each batch to the sink, by default a
 :class:`~traces.capture.writer.ParallelTraceWriter` whose encoder processes read the rows where
 the device wrote them and encode row groups in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
 the loop wait (``blocked_s`` in the summary).
