@@ -215,3 +215,74 @@ def test_kernel_keeps_only_what_the_chosen_policies_read(eviction, rule, extra, 
     meta = trace(np.zeros((1, 2, 2)) + np.arange(2), logits=np.zeros((1, 2, 8))).meta
     needs = kernel_needs(make_params(meta, eviction=eviction, rule=rule, **extra))
     assert (needs.frequency, needs.selections, needs.layer_residents, needs.background) == expected
+
+
+def test_moving_an_entry_to_the_tail_is_an_unlink_and_an_append():
+    """list_to_tail (an LRU use) leaves every list as list_unlink then list_append would, also
+    for the tail itself, the head and a list of one."""
+    rng = np.random.default_rng(11)
+    X, P = 12, 2
+    moved, plain = D.make_lists(X, P), D.make_lists(X, P)
+    members = [[], []]
+    for x in range(X):
+        p = x % P
+        for lists in (moved, plain):
+            D.list_append(lists, x, p)
+        members[p].append(x)
+    for _ in range(300):
+        p = int(rng.integers(P))
+        x = int(rng.choice(members[p]))
+        D.list_to_tail(moved, x, p)
+        D.list_unlink(plain, x, p)
+        D.list_append(plain, x, p)
+        assert np.array_equal(moved.link, plain.link) and np.array_equal(moved.ends, plain.ends)
+    assert _walk(moved, 0)[-1] == _walk(plain, 0)[-1]
+    one = D.make_lists(3, 1)
+    D.list_append(one, 2, 0)
+    D.list_to_tail(one, 2, 0)
+    assert _walk(one, 0) == [2]
+
+
+def test_a_victim_search_without_a_stamp_takes_the_head_unread():
+    """list_victim with NO_STAMP takes the head without reading marks (here a mark array that
+    would pin it); with the step's stamp it passes the marked head."""
+    lists = D.make_lists(4, 1)
+    for x in (2, 0, 3):
+        D.list_append(lists, x, 0)
+    mark = np.zeros(4, np.int64)
+    mark[2] = 7
+    assert D.list_victim(lists, mark, 0, 7) == 0
+    assert D.list_victim(lists, mark, 0, S.NO_STAMP) == 2
+    assert _walk(lists, 0) == [3]
+
+
+@pytest.mark.parametrize(("scope", "sizes", "uniform", "largest"), [
+    ("per_layer", [100, 300, 200], [100, 300, 200], [100, 300, 200]),
+    ("global", [100, 100, 100], [100], [100]),
+    ("global", [100, 300, 200], [0], [300]),  # sizes differ: the victim's layer says its size
+])
+def test_the_layout_knows_each_pools_expert_size(scope, sizes, uniform, largest):
+    from simulator.engine.layout import make_layout
+
+    source = trace(np.zeros((2, 3, 2), np.int16) + np.arange(2), num_experts=4, expert_bytes=sizes)
+    p = make_params(source.meta, scope=scope, budget_experts=2)
+    layout = make_layout(p, source.meta)
+    assert layout.pool_expert_bytes.tolist() == uniform
+    assert layout.pool_largest_bytes.tolist() == largest
+
+
+@pytest.mark.parametrize("sizes", [[100, 300, 200], [100, 100, 100]])
+def test_a_global_pool_of_mixed_sizes_evicts_by_each_victims_size(sizes):
+    """fetch_all + LRU in one pool over layers of different expert sizes (the kernel reads each
+    victim's layer) and of one size (it does not): both engines agree and the pool stays within
+    its budget."""
+    rng = np.random.default_rng(5)
+    T, L, E = 80, 3, 6
+    experts = np.stack([[rng.choice(E, 2, replace=False) for _ in range(L)] for _ in range(T)])
+    source = trace(experts, num_experts=E, expert_bytes=sizes)
+    p = make_params(source.meta, scope="global", budget_bytes=[1000])
+    run_both(source, p)
+    sim = KernelSimulator(p, source.meta)
+    sim.run_chunk(source.chunk)
+    assert 0 < sim.core.pools[0, S.BYTES] <= 1000
+    assert sim.core.pools[0, S.BYTES] == sum(sizes[x // E] for x in np.flatnonzero(sim.core.resident))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from simulator.engine.layout import make_layout
+from simulator.engine.layout import Layout, make_layout
 from simulator.engine.nextuse import NextUseFile, after_group
 from simulator.engine.params import INITS, SCOPES, SimParams
 from simulator.metrics import SimResult
@@ -27,8 +27,9 @@ __all__ = ["ENGINES", "simulate", "warmup_counts", "check_params", "check_chunk"
 
 
 def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
-                first_use: np.ndarray | None = None, observer=None):
-    """A fresh simulator of ``engine`` for ``params`` on a trace with ``meta``."""
+                first_use: np.ndarray | None = None, observer=None, layout: Layout | None = None):
+    """A fresh simulator of ``engine`` for ``params`` on a trace with ``meta`` (``layout``:
+    what :func:`check_params` returned for them, else derived again)."""
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine == "numba":
@@ -36,10 +37,10 @@ def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
             raise InputError("an observer needs engine=reference (the kernel reports no events)")
         from simulator.engine.kernel import KernelSimulator
 
-        return KernelSimulator(params, meta, first_use)
+        return KernelSimulator(params, meta, first_use, layout)
     from simulator.engine.reference import ReferenceSimulator
 
-    return ReferenceSimulator(params, meta, first_use, observer)
+    return ReferenceSimulator(params, meta, first_use, observer, layout)
 
 
 def read_options(params: SimParams, source=None) -> dict:
@@ -81,7 +82,7 @@ def simulate(
     ``observer``: see :class:`simulator.engine.reference.Observer` (reference engine only).
     """
     meta = source.meta
-    check_params(params, meta)
+    layout = check_params(params, meta)
     counts, last_warmup_group = None, -1
     if params.init == "frequency":
         counts, last_warmup_group = warmup_counts(source, params, chunk_tokens)
@@ -92,7 +93,7 @@ def simulate(
         if needs_next_use(params):
             next_use = stack.enter_context(NextUseFile(source, skipped, chunk_tokens))
         sim = make_engine(params, meta, engine, None if next_use is None else next_use.first_use,
-                          observer)
+                          observer, layout)
         if counts is not None:
             sim.warm(counts)
         if training is not None:
@@ -165,9 +166,10 @@ def warmup_counts(source, params: SimParams, chunk_tokens: int | None = None):
     return np.bincount(x.ravel(), minlength=L * E).astype(np.int64), last_group
 
 
-def check_params(params: SimParams, meta: TraceMeta) -> None:
-    """Raise InputError where ``params`` cannot run on a trace with ``meta``."""
-    make_layout(params, meta)
+def check_params(params: SimParams, meta: TraceMeta) -> Layout:
+    """Raise InputError where ``params`` cannot run on a trace with ``meta``; else the engines'
+    constants for them (simulator.engine.layout)."""
+    layout = make_layout(params, meta)
     if params.scope not in SCOPES:
         raise InputError(f"params.scope = {params.scope!r} is not one of {SCOPES}")
     if params.init not in INITS:
@@ -199,6 +201,7 @@ def check_params(params: SimParams, meta: TraceMeta) -> None:
             f"substitute_by={params.substitute_by} needs a trace with router logits; this trace "
             "has none (use substitute_by=frequency)"
         )
+    return layout
 
 
 def _largest_unsigned(ids: np.ndarray) -> int:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.layout import frequency_fill, make_layout
+from simulator.engine.layout import Layout, frequency_fill, make_layout
 from simulator.engine.link import Q_LEN, advance, make_link_state, next_completion, sync_fetches
 from simulator.engine.params import CPU, SimParams
 from simulator.engine.state import (
@@ -24,6 +24,7 @@ from simulator.engine.state import (
     CLOCK,
     INC,
     MASS_STEPS,
+    NO_STAMP,
     PREFETCH,
     STAMP,
     bin_masses,
@@ -61,6 +62,9 @@ _trim_step = _fetch_step = None
 # rule can leave a miss unfetched (else every miss is fetched without reading its gate), and
 # whether the trim reads the marks each lookup leaves where the step was not marked before.
 TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = BACKGROUND = LEAVES_MISSES = MARK_LOOKUPS = True
+# Whether a decode step leaves no marks (nothing marks its selections or lookups, substitutes or
+# background arrivals): its trim then passes NO_STAMP, and a victim need not be tested for one.
+UNMARKED_DECODE = False
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -104,7 +108,10 @@ def _trim(core, ev, c, p, stamp):
             drop(core, c, x, p)
         else:  # no background arrival: nothing resident is fresh (drop's other half)
             core.resident[x] = 0
-            core.pools[p, BYTES] -= c.expert_bytes[ix(c.layer_of[x])]
+            size = c.pool_expert_bytes[p]  # the victim's size without a load of its layer
+            if size == 0:  # the pool's layers differ in size
+                size = c.expert_bytes[ix(c.layer_of[x])]
+            core.pools[p, BYTES] -= size
     eviction.end_trim(core, ev, c, p)
 
 
@@ -309,7 +316,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 rc[RunCount.PREFILL_LOOKUPS] += n_unique
                 rc[RunCount.PREFILL_HITS] += hits
             if core.pools[p, BYTES] > core.pools[p, BUDGET]:
-                _trim_step(core, ev, c, p, stamp)
+                _trim_step(core, ev, c, p, NO_STAMP if UNMARKED_DECODE and decode else stamp)
             if decode:
                 if pf.top_p > 0 and layer + pf.distance < L:
                     n = predictor.predict(core, pr, c, ch, a, layer, pf.distance, pf.top_p, pf.buf)
@@ -361,6 +368,8 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
                  SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents),
                  BACKGROUND=bool(needs.background), LEAVES_MISSES=bool(needs.leaves_misses),
                  MARK_LOOKUPS=bool(needs.lookup_marks or needs.selections))
+    bound["UNMARKED_DECODE"] = not (needs.lookup_marks or needs.selections or needs.background
+                                    or needs.leaves_misses)
     steps = {"_trim_step": specialise(_trim, bound, inline=True),
              "_fetch_step": specialise(_fetch, bound, inline=True)}
     return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))
@@ -369,11 +378,14 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
 class KernelSimulator:
     """Owns the kernel's state between chunks; feeds it one chunk at a time (same protocol as
     :class:`simulator.engine.reference.ReferenceSimulator`: ``warm``, ``run_chunk``, ``result``).
+    ``layout``: the constants :func:`simulator.engine.check_params` derived for ``params``
+    (else derived here).
     """
 
-    def __init__(self, params: SimParams, meta: TraceMeta, first_use: np.ndarray | None = None):
+    def __init__(self, params: SimParams, meta: TraceMeta, first_use: np.ndarray | None = None,
+                 layout: Layout | None = None):
         self.params = params
-        self.layout = make_layout(params, meta)
+        self.layout = make_layout(params, meta) if layout is None else layout
         names = chosen(params)
         needs = kernel_needs(params, self.layout)
         self.kernels = kernels(tuple(names.items()), needs)

@@ -21,6 +21,8 @@ class Layout:
     pool_budget_bytes: np.ndarray  # int64[P]
     pool_capacity: np.ndarray  # int64[P]: experts a pool can ever hold (all of its layers)
     pool_offset: np.ndarray  # int64[P]: start of the pool's segment in per-pool slot arrays
+    pool_expert_bytes: np.ndarray  # int64[P]: the size of every expert the pool holds; 0 where its layers' sizes differ
+    pool_largest_bytes: np.ndarray  # int64[P]: the largest expert size among the pool's layers
     ssd_us: np.ndarray  # float64[L]: ssd_latency_us + bytes / ssd_bytes_per_us
 
 
@@ -51,11 +53,18 @@ def make_layout(params: SimParams, meta: TraceMeta) -> Layout:
     capacity = np.full(num_pools, E if per_layer else L * E, dtype=np.int64)
     offset = np.concatenate([[0], np.cumsum(capacity)[:-1]]).astype(np.int64)
     eb = expert_bytes.astype(np.float64)
+    if per_layer:
+        uniform, largest = expert_bytes.copy(), expert_bytes.copy()
+    else:
+        largest = np.full(1, expert_bytes.max(initial=0), np.int64)
+        uniform = largest if np.all(expert_bytes == largest[0]) else np.zeros(1, np.int64)
     return Layout(
         pool_of_layer=pool_of_layer,
         pool_budget_bytes=budget,
         pool_capacity=capacity,
         pool_offset=offset,
+        pool_expert_bytes=uniform,
+        pool_largest_bytes=largest,
         ssd_us=params.ssd_latency_us + eb / params.ssd_bytes_per_us,
     )
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.layout import frequency_fill, make_layout
+from simulator.engine.layout import Layout, frequency_fill, make_layout
 from simulator.engine.link import ReferenceLink
 from simulator.engine.params import CPU, FETCH, FORCED_FETCH, HIT, SUBSTITUTE, SimParams
 from simulator.engine.state import ADMISSION, DEMAND, PREFETCH
@@ -110,13 +110,14 @@ class ReferenceSimulator:
 
     ``first_use``: for ``eviction=belady``, int32[L*E] group ordinal of each expert's first
     selection (``NEVER_GROUP`` for never); each step then needs its next-use rows.
-    ``observer``: an :class:`Observer` that sees every event and decision.
+    ``observer``: an :class:`Observer` that sees every event and decision. ``layout``: the
+    constants :func:`simulator.engine.check_params` derived for ``params`` (else derived here).
     """
 
     def __init__(self, params: SimParams, meta: TraceMeta, first_use: np.ndarray | None = None,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, layout: Layout | None = None):
         self.params = params
-        self.layout = make_layout(params, meta)
+        self.layout = make_layout(params, meta) if layout is None else layout
         self.first_use = first_use
         self.observer = observer
         L, E = params.num_layers, params.num_experts

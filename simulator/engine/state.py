@@ -29,6 +29,10 @@ DEMAND, ADMISSION, PREFETCH = 0, 1, 2
 # CoreState.istate[] entries
 STAMP, MASS_STEPS = 0, 1  # the step stamp; decode steps recorded in the mass histogram
 N_ISTATE = 2
+# The stamp a trim passes where no resident can carry the step's stamp (a decode step that marks
+# nothing): marks are never negative, so a victim search that tests them finds none marked, and
+# one may skip the test (simulator.engine.structures.list_victim: no load of the head's mark).
+NO_STAMP = -1
 # CoreState.fstate[] entries: the clock, the frequency increment (lfu_decay)
 CLOCK, INC = 0, 1
 N_FSTATE = 2
@@ -44,6 +48,7 @@ class Consts(NamedTuple):
     pool_offset: np.ndarray  # int64[P]: start of a pool's segment in per-pool slot arrays
     expert_bytes: np.ndarray  # int64[L]
     layer_of: np.ndarray  # int32[X]: x // num_experts (a load where a division costs more)
+    pool_expert_bytes: np.ndarray  # int64[P]: Layout.pool_expert_bytes (0: the pool's layers' sizes differ)
     nonexpert_us: np.ndarray  # float64[L]: non-expert compute plus the fixed cost of a step
     gpu_expert_us: np.ndarray  # float64[L]
     cpu_expert_us: np.ndarray  # float64[L]
@@ -99,6 +104,7 @@ def make_consts(params: SimParams, layout: Layout) -> Consts:
         pool_offset=layout.pool_offset,
         expert_bytes=np.ascontiguousarray(params.expert_bytes, dtype=np.int64),
         layer_of=np.repeat(np.arange(params.num_layers, dtype=np.int32), params.num_experts),
+        pool_expert_bytes=layout.pool_expert_bytes,
         nonexpert_us=f64(params.nonexpert_us) + float(params.step_fixed_us),
         gpu_expert_us=f64(params.gpu_expert_us),
         cpu_expert_us=f64(params.cpu_expert_us),

@@ -61,15 +61,37 @@ def list_append(lists, x, p):
     ends[TAIL, p] = x
 
 
+@jit(allocates=False, inline=True)
+def list_to_tail(lists, x, p):
+    """Move x, in pool p's list, to its tail (the newest end): nothing to do where it is there."""
+    link, ends = lists.link, lists.ends
+    t = ends[TAIL, p]
+    if t == x:
+        return
+    a = link[PREV, x]
+    b = link[NEXT, x]  # >= 0: x is not the tail
+    if a >= 0:
+        link[NEXT, ix(a)] = b
+    else:
+        ends[HEAD, p] = b
+    link[PREV, ix(b)] = a
+    link[PREV, x] = t
+    link[NEXT, x] = -1
+    link[NEXT, ix(t)] = x  # t >= 0: the list holds x
+    ends[TAIL, p] = x
+
+
 @jit(allocates=False)
 def list_victim(lists, mark, p, stamp):
     """Unlink and return pool p's victim: the first entry from the head not marked ``stamp``,
-    or, if every entry is marked, the head."""
+    or, if every entry is marked, the head; the head for a negative ``stamp``
+    (``simulator.engine.state.NO_STAMP``: nothing is marked)."""
     x = lists.ends[HEAD, p]
-    while x >= 0 and mark[ix(x)] == stamp:
-        x = lists.link[NEXT, ix(x)]
-    if x < 0:
-        x = lists.ends[HEAD, p]
+    if stamp >= 0:
+        while x >= 0 and mark[ix(x)] == stamp:
+            x = lists.link[NEXT, ix(x)]
+        if x < 0:
+            x = lists.ends[HEAD, p]
     list_unlink(lists, ix(x), p)
     return x
 

@@ -200,12 +200,7 @@ def kernel_needs(params, layout=None) -> KernelNeeds:
 
 def _pools_hold_a_step(params, layout) -> bool:
     """Every pool's budget holds k experts of the largest size among its layers."""
-    import numpy as np
-
-    sizes = np.asarray(params.expert_bytes, dtype=np.int64)
-    largest = np.zeros(len(layout.pool_budget_bytes), np.int64)
-    np.maximum.at(largest, layout.pool_of_layer, sizes)
-    return bool(np.all(layout.pool_budget_bytes >= params.top_k * largest))
+    return bool((layout.pool_budget_bytes >= params.top_k * layout.pool_largest_bytes).all())
 
 
 def _substitutes(params) -> bool:

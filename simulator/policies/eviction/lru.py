@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from simulator.engine.structures import list_append, list_unlink, list_victim
+from simulator.engine.structures import list_append, list_to_tail, list_victim
 from simulator.jit import jit
 from simulator.policies.eviction._base import (
     ReferenceBase,
@@ -35,8 +35,7 @@ def on_insert(core, st, c, x, p, s):
 
 @jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
-    list_unlink(st, x, p)
-    list_append(st, x, p)
+    list_to_tail(st, x, p)
 
 
 @jit(allocates=False, inline=True)
