@@ -150,6 +150,7 @@ class CachedTrace:
         self._maps: list[tuple[np.ndarray, mmap.mmap]] = []  # every mapped array and its mapping
         self._arrays: dict[str, np.ndarray] | None = None
         self._orders: dict[int, np.ndarray] = {}
+        self._plans: dict[int, np.ndarray] = {}  # chunk plans of the copy by tokens per chunk
         if manifest is None:
             with open_trace(path) as reader:
                 self.meta, self.num_tokens = reader.meta, reader.num_tokens
@@ -290,6 +291,7 @@ class CachedTrace:
         self.meta = TraceMeta.from_json(manifest["meta"], str(self.directory / MANIFEST))
         self.num_tokens = int(manifest["num_tokens"])
         self._arrays = {name: self._map(name, info) for name, info in manifest["arrays"].items()}
+        self._plans = {}
         self._orders = {int(p.stem.rsplit("_", 1)[1]): self._map(p.stem, info)
                         for p, info in _order_manifests(self.directory).items()}
 
@@ -309,7 +311,9 @@ class CachedTrace:
     def _from_copy(self, max_tokens: int, descending: bool, logits: bool,
                    order_r: int, stored_ids: bool) -> Iterator[TraceChunk]:
         a, meta = self._arrays, self.meta
-        plan = group_plan(a["group"], max_tokens)
+        plan = self._plans.get(max_tokens)
+        if plan is None:  # the copy does not change: each size planned once
+            plan = self._plans[max_tokens] = group_plan(a["group"], max_tokens)
         kept = min((r for r in self._orders if r >= order_r), default=None) if order_r else None
         adding = None
         if order_r and kept is None and not descending and self._lock.acquire(blocking=False):

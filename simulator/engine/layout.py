@@ -41,7 +41,7 @@ def make_layout(params: SimParams, meta: TraceMeta) -> Layout:
         raise InputError(
             f"pool_budget_bytes has {budget.shape[0]} entries; scope needs {num_pools}"
         )
-    if np.any(budget < 0):
+    if budget.min() < 0:
         raise InputError("pool_budget_bytes must be >= 0")
     expert_bytes = np.asarray(params.expert_bytes, dtype=np.int64)
     if expert_bytes.shape != (L,):
@@ -50,14 +50,15 @@ def make_layout(params: SimParams, meta: TraceMeta) -> Layout:
         if np.asarray(getattr(params, name)).shape != (L,):
             raise InputError(f"{name} needs one value per MoE layer ({L})")
     pool_of_layer = np.arange(L, dtype=np.int32) if per_layer else np.zeros(L, np.int32)
-    capacity = np.full(num_pools, E if per_layer else L * E, dtype=np.int64)
-    offset = np.concatenate([[0], np.cumsum(capacity)[:-1]]).astype(np.int64)
+    per_pool = E if per_layer else L * E
+    capacity = np.full(num_pools, per_pool, dtype=np.int64)
+    offset = np.arange(num_pools, dtype=np.int64) * per_pool
     eb = expert_bytes.astype(np.float64)
     if per_layer:
-        uniform, largest = expert_bytes.copy(), expert_bytes.copy()
+        uniform = largest = expert_bytes
     else:
-        largest = np.full(1, expert_bytes.max(initial=0), np.int64)
-        uniform = largest if np.all(expert_bytes == largest[0]) else np.zeros(1, np.int64)
+        largest = expert_bytes.max(keepdims=True)
+        uniform = largest if expert_bytes.min() == largest[0] else np.zeros(1, np.int64)
     return Layout(
         pool_of_layer=pool_of_layer,
         pool_budget_bytes=budget,

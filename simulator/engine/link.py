@@ -73,9 +73,9 @@ class LinkState(NamedTuple):
     tstate: np.ndarray  # float64[2]
     ram: Lists  # list 0: pinned, list 1: pageable; least recently used at the head
     where: np.ndarray  # int8[X]: NOT_IN_RAM, PINNED, PAGEABLE
-    fetch_x: np.ndarray  # int32[X]: a step's synchronous fetches, in order
-    fetch_ready: np.ndarray  # float64[X]: when each one's copy may start
-    fetch_pageable: np.ndarray  # int8[X]
+    fetch_x: np.ndarray  # int32[E]: a step's synchronous fetches, in order (at most E: of one layer, each once)
+    fetch_ready: np.ndarray  # float64[E]: when each one's copy may start (with a host-RAM tier)
+    fetch_pageable: np.ndarray  # int8[E]
 
 
 def make_link_state(params: SimParams, layout: Layout, background: bool = True) -> LinkState:
@@ -87,6 +87,7 @@ def make_link_state(params: SimParams, layout: Layout, background: bool = True) 
     X = L * E
     Q = X if background else 0
     R = X if tier else 0
+    F = E if tier else 0
     eb = np.asarray(params.expert_bytes, dtype=np.float64)
     return LinkState(
         num_experts=E,
@@ -111,9 +112,9 @@ def make_link_state(params: SimParams, layout: Layout, background: bool = True) 
         tstate=np.zeros(2, np.float64),
         ram=make_lists(R, 2),
         where=np.zeros(R, np.int8),
-        fetch_x=np.zeros(X, np.int32),
-        fetch_ready=np.zeros(R, np.float64),
-        fetch_pageable=np.zeros(R, np.int8),
+        fetch_x=np.zeros(E, np.int32),
+        fetch_ready=np.zeros(F, np.float64),
+        fetch_pageable=np.zeros(F, np.int8),
     )
 
 
