@@ -90,10 +90,13 @@ NOTES = """\
   queue, its completions and the use of arrivals only where admission or prefetch can queue
   one; the gate and the miss rule only where the rule can leave a miss; and, for LRU where
   every pool holds k experts, the marks of a decode step's lookups (a trim never reaches a
-  resident used in the step: used residents are its last victims). Outside the kernel's
+  resident used in the step: used residents are its last victims); a decode step that then marks
+  nothing passes its trim no stamp (`state.NO_STAMP`), so the LRU victim is the list's head with
+  no load of its mark. Outside the kernel's
   loop: ids read as stored (int16: no widening per chunk), synchronous fetches timed in one
   loop without a host-RAM tier and without a division (they are of the step's layer), an
-  eviction's layer from a table, and calls, hits, evictions and zero-mass steps derived after
+  evicted expert's size from its pool where the pool's layers share one (else its layer from a
+  table), and calls, hits, evictions and zero-mass steps derived after
   the run. Same results throughout (the engines' equivalence, fuzz and pinned-summary tests).
 - **Unsigned indices.** Numba indexes an array with a signed integer through a wrap of negative
   values (a compare and a select on every access, on the chain of loads a lookup waits for); the
@@ -118,6 +121,17 @@ NOTES = """\
   touches them, and the trace cache's chunks are not checked again (the validating reader decoded
   them): about 1.0 ms outside the kernel. Side by side (`python docs/bench/trees_side_by_side.py`,
   6 processes per tree of 9 rounds): fetch_all + LRU 1.53-1.76x -> 1.47-1.55x the minimal kernel.
+  Then the two loads an eviction made beyond the minimal kernel's: the victim's mark (never the
+  step's where the step marks nothing) and its layer (for a size its pool already says), each in
+  an array of L x E entries that the minimal kernel does not have, so a likely cache miss per
+  eviction; an LRU use moves its entry in one step and not at all where it is the newest (as the
+  minimal kernel's does); the layout derived once per run, the link's per-step fetch list one
+  layer long, the trace cache's chunk plan kept. Side by side (6 processes per tree of 9 rounds,
+  ec8b33e against 37af3a0): fetch_all + LRU 1.49-1.53x -> 1.35-1.44x; rule015 + LRU and
+  fetch_all + LFU unchanged (1.87-1.99x / 1.88-2.11x, 2.72-2.95x / 2.71-3.09x). On this VM the
+  ratio also moves with the machine's state: when the minimal kernel itself runs 25 % slower
+  (other work on the host), the engine's share over it grows, and shorter comparisons of the
+  same two trees have come out equal.
 - **What substitution and LFU themselves cost.** `yardstick.rule_counts` is rule015 + LRU in the
   least code that gives its counts (the gate of each miss, the walk of the top-R order with its
   rows prefetched, the exact scan after it; hits, substitutions and fetches checked equal). In
