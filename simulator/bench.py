@@ -90,9 +90,9 @@ NOTES = """\
   queue, its completions and the use of arrivals only where admission or prefetch can queue
   one; the gate and the miss rule only where the rule can leave a miss; and, for LRU where
   every pool holds k experts, the marks of a decode step's lookups (a trim never reaches a
-  resident used in the step: used residents are its last victims); a decode step that then marks
-  nothing passes its trim no stamp (`state.NO_STAMP`), so the LRU victim is the list's head with
-  no load of its mark. Outside the kernel's
+  resident used in the step: used residents are its last victims), and there a decode step's
+  trim passes no stamp (`state.NO_STAMP`), so the LRU victim is the list's head with no load of
+  its mark. Outside the kernel's
   loop: ids read as stored (int16: no widening per chunk), synchronous fetches timed in one
   loop without a host-RAM tier and without a division (they are of the step's layer), an
   evicted expert's size from its pool where the pool's layers share one (else its layer from a
@@ -122,7 +122,7 @@ NOTES = """\
   them): about 1.0 ms outside the kernel. Side by side (`python docs/bench/trees_side_by_side.py`,
   6 processes per tree of 9 rounds): fetch_all + LRU 1.53-1.76x -> 1.47-1.55x the minimal kernel.
   Then the two loads an eviction made beyond the minimal kernel's: the victim's mark (never the
-  step's where the step marks nothing) and its layer (for a size its pool already says), each in
+  step's where the trim cannot reach a used resident) and its layer (for a size its pool already says), each in
   an array of L x E entries that the minimal kernel does not have, so a likely cache miss per
   eviction; an LRU use moves its entry in one step and not at all where it is the newest (as the
   minimal kernel's does); the layout derived once per run, the link's per-step fetch list one

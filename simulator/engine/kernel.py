@@ -62,8 +62,9 @@ _trim_step = _fetch_step = None
 # rule can leave a miss unfetched (else every miss is fetched without reading its gate), and
 # whether the trim reads the marks each lookup leaves where the step was not marked before.
 TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = BACKGROUND = LEAVES_MISSES = MARK_LOOKUPS = True
-# Whether a decode step leaves no marks (nothing marks its selections or lookups, substitutes or
-# background arrivals): its trim then passes NO_STAMP, and a victim need not be tested for one.
+# Whether a decode step's trim can never reach a resident marked in the step (an eviction whose
+# used residents are its last victims, every pool holding k experts: KernelNeeds.lookup_marks
+# false): it then passes NO_STAMP, and a victim need not be tested for a mark.
 UNMARKED_DECODE = False
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
@@ -368,8 +369,7 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
                  SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents),
                  BACKGROUND=bool(needs.background), LEAVES_MISSES=bool(needs.leaves_misses),
                  MARK_LOOKUPS=bool(needs.lookup_marks or needs.selections))
-    bound["UNMARKED_DECODE"] = not (needs.lookup_marks or needs.selections or needs.background
-                                    or needs.leaves_misses)
+    bound["UNMARKED_DECODE"] = not needs.lookup_marks
     steps = {"_trim_step": specialise(_trim, bound, inline=True),
              "_fetch_step": specialise(_fetch, bound, inline=True)}
     return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))

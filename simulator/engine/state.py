@@ -29,9 +29,10 @@ DEMAND, ADMISSION, PREFETCH = 0, 1, 2
 # CoreState.istate[] entries
 STAMP, MASS_STEPS = 0, 1  # the step stamp; decode steps recorded in the mass histogram
 N_ISTATE = 2
-# The stamp a trim passes where no resident can carry the step's stamp (a decode step that marks
-# nothing): marks are never negative, so a victim search that tests them finds none marked, and
-# one may skip the test (simulator.engine.structures.list_victim: no load of the head's mark).
+# The stamp a trim passes where it can never reach a resident marked in the step (a decode step's
+# trim where used residents are the last victims and every pool holds a step): marks are never
+# negative, so a victim search that tests them finds none marked, and one may skip the test
+# (simulator.engine.structures.list_victim: no load of the head's mark).
 NO_STAMP = -1
 # CoreState.fstate[] entries: the clock, the frequency increment (lfu_decay)
 CLOCK, INC = 0, 1
