@@ -128,7 +128,10 @@ NOTES = """\
   minimal kernel's does); the layout derived once per run, the link's per-step fetch list one
   layer long, the trace cache's chunk plan kept. Side by side (6 processes per tree of 9 rounds,
   ec8b33e against 37af3a0): fetch_all + LRU 1.49-1.53x -> 1.35-1.44x; rule015 + LRU and
-  fetch_all + LFU unchanged (1.87-1.99x / 1.88-2.11x, 2.72-2.95x / 2.71-3.09x). On this VM the
+  fetch_all + LFU unchanged (1.87-1.99x / 1.88-2.11x, 2.72-2.95x / 2.71-3.09x). The trim
+  without a mark load wherever it cannot reach a used resident (LRU, every pool holding a step;
+  also where the step substitutes) then took rule015 + LRU 2.09-2.45x -> 1.91-2.10x (b92f1a2
+  against ec8b33e, 5 processes per tree of 9 rounds). On this VM the
   ratio also moves with the machine's state: when the minimal kernel itself runs 25 % slower
   (other work on the host), the engine's share over it grows, and shorter comparisons of the
   same two trees have come out equal.
@@ -149,7 +152,11 @@ NOTES = """\
   uses, pruned lazily at the trim (a hit is three stores, no loads), ran at 0.63x the linked
   list's speed in the minimal kernel: a victim then costs a read of every stale use before it.
 - **Substitution and LFU against fetch_all + LRU.** The three shares fall as fetch_all + LRU
-  gets faster (at kernel commit abe017a they were met, at 43 M lookups/s for fetch_all + LRU).
+  gets faster (at kernel commit abe017a they were met, at 43 M lookups/s for fetch_all + LRU; at
+  cb286df, fetch_all + LRU at 1.63x the minimal kernel, 0.48x, 0.79x and 0.52x; at ec8b33e, at
+  1.36x, 0.34x, 0.65x and 0.46x). Where fetch_all + LRU runs at f times its minimal kernel,
+  rule015 + LRU meets 0.7x only within f x 0.64 / 0.7 of its own minimal kernel (0.64x: the
+  minimal kernels' share): 1.37x at f = 1.5, 1.24x at f = 1.36.
   What a substituting policy pays beyond a lookup: the gate and the miss rule per miss, the
   top-R walk and a substitute's use. The walk's order rows are read once each, in trace order:
   a step's first walk prefetches the next two steps' rows, and the 800 KB mass histogram is
