@@ -55,8 +55,11 @@ def specialise(fn, variants: dict, inline: bool = False):
     fingerprints are removed. ``variants`` may also bind other specialised functions (a step of
     the kernel compiled apart); ``inline=True`` inlines the result into its callers.
     """
+    # flags by their initials (TRACK_FREQUENCY=1: TF1): the cache's file names stay within the
+    # file system's limit; the same names come in the same order for every kernel of ``fn``
     tag = ".".join([m.__name__.rsplit(".", 1)[-1] for m in variants.values() if isinstance(m, ModuleType)]
-                   + [f"{k}={int(v)}" for k, v in variants.items() if isinstance(v, bool | int)])
+                   + ["".join(w[0] for w in k.split("_") if w) + str(int(v))
+                      for k, v in variants.items() if isinstance(v, bool | int)])
     fp = SOURCES_FINGERPRINT
     namespace = dict(fn.__globals__, **variants)
     f = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -182,7 +182,7 @@ def test_lfu_frequencies_renormalise():
     ("lru", "fetch_all", 1, "per_layer", True),  # one expert per layer: a trim may meet a used one
     ("lru", "rule015", 2, "global", False),  # substitutes mark themselves
     ("fifo", "fetch_all", 3, "per_layer", True),  # a hit does not move: used residents can lead
-    ("lfu", "fetch_all", 3, "per_layer", True),
+    ("fifo", "fetch_all", 2, "per_layer", True),
 ])
 def test_lookups_are_marked_only_where_a_trim_can_meet_a_used_resident(eviction, rule, budget, scope, marks):
     """Without a marking pass, LRU trims never reach a resident used in the step when every pool
@@ -200,15 +200,42 @@ def test_lookups_are_marked_only_where_a_trim_can_meet_a_used_resident(eviction,
     run_both(source, p)
 
 
+@pytest.mark.parametrize(("rule", "extra", "step_marks"), [
+    ("fetch_all", {}, True),
+    ("rule015", {}, True),  # substitutes' uses store their step too
+    ("rule015", {"substitute_by": "frequency"}, True),  # marks the selections for the substitute
+    ("rule015", {"beta": 0.3}, False),  # an arrival is inserted and left unused: marks
+    ("fetch_all", {"prefetch": "topp", "predictor": "previous"}, False),
+])
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_lfu_tells_a_steps_used_residents_by_their_last_use(rule, extra, step_marks, budget):
+    """Without background arrivals an LFU trim reads the step's uses from ``last_use`` instead
+    of marks on every lookup; the engines agree either way, also where a trim must evict a used
+    resident (one expert per layer) and under decay."""
+    from simulator.engine.layout import make_layout
+
+    rng = np.random.default_rng(19 + budget)
+    T, L, E = 80, 3, 6
+    experts = np.stack([[rng.choice(E, 2, replace=False, p=np.arange(1, E + 1) / 21) for _ in range(L)]
+                        for _ in range(T)])
+    source = trace(experts, rng.random((T, L, 2)), rng.standard_normal((T, L, E)), num_experts=E)
+    p = make_params(source.meta, eviction="lfu", rule=rule, budget_experts=budget, lfu_decay=0.9, **extra)
+    needs = kernel_needs(p, make_layout(p, source.meta))
+    assert (needs.step_marks, needs.lookup_marks) == (step_marks, not step_marks)
+    run_both(source, p)
+
+
 @pytest.mark.parametrize(("eviction", "rule", "extra", "expected"), [
     ("lru", "fetch_all", {}, (False, False, False, False)),  # nothing read before the trim
     ("fifo", "substitute_all", {"miss_action": "cpu"}, (False, False, False, False)),  # nothing substitutes
-    ("lfu", "fetch_all", {}, (True, True, False, False)),  # frequency order
+    # frequency order: counted where first read (a background arrival's trim, else the step's)
+    ("lfu", "fetch_all", {}, (True, False, False, False)),
     ("belady", "fetch_all", {}, (False, True, False, False)),  # on_select reads the step's selections
     # substitutes by logit: the walk never meets a selection; its rare scan marks them and tests
     # every expert of the layer
     ("lru", "rule015", {}, (False, False, False, False)),
-    ("lru", "rule015", {"beta": 0.5}, (False, True, False, True)),  # admits in the background
+    # admits in the background: an arrival's trim reads the marks, the pass runs there
+    ("lru", "rule015", {"beta": 0.5}, (False, False, False, True)),
     ("lru", "rule015", {"substitute_by": "frequency"}, (True, True, True, False)),  # ranks the resident lists
 ])
 def test_kernel_keeps_only_what_the_chosen_policies_read(eviction, rule, extra, expected):

@@ -34,6 +34,7 @@ from simulator.engine.state import (
     make_consts,
     make_core_state,
     make_resident,
+    step_stamp,
     unlist_resident,
     used,
     wasted_background,
@@ -55,17 +56,24 @@ from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 eviction = miss_rule = miss_action = substitute = admission = predictor = prefetch = None
 _trim_step = _fetch_step = None
 # What the chosen variants read (simulator.policies.KernelNeeds), bound per kernel: whether
-# selections are counted in core.freq, whether a decode step marks its selections before its
-# rank loop (else each lookup marks its expert as the loop reaches it), whether the layers'
-# resident lists are kept, whether anything queues background transfers (else the queue,
+# selections are counted in core.freq, whether a decode step runs its selection pass before its
+# rank loop (else the pass runs at the step's first background arrival, if one comes, and
+# otherwise each lookup counts and marks its expert as the rank loop reaches it), whether the
+# layers' resident lists are kept, whether anything queues background transfers (else the queue,
 # its completions and the use of background arrivals are never looked at), and whether the miss
 # rule can leave a miss unfetched (else every miss is fetched without reading its gate), and
 # whether the trim reads the marks each lookup leaves where the step was not marked before.
 TRACK_FREQUENCY = SELECT_BEFORE_USE = LIST_RESIDENTS = BACKGROUND = LEAVES_MISSES = MARK_LOOKUPS = True
+# Whether a prefetch variant can queue transfers (else no queued transfer is a prefetch that a
+# miss would find late)
+PREFETCHES = True
 # Whether a decode step's trim can never reach a resident marked in the step (an eviction whose
 # used residents are its last victims, every pool holding k experts: KernelNeeds.lookup_marks
 # false): it then passes NO_STAMP, and a victim need not be tested for a mark.
 UNMARKED_DECODE = False
+# Whether the eviction tells a step's used residents by their last use (KernelNeeds.step_marks):
+# its trims are passed the step (state.step_stamp) and no lookup is marked for them.
+STEP_MARKS = False
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
 # this the increment and all frequencies are divided by it
@@ -107,7 +115,7 @@ def _trim(core, ev, c, p, stamp):
             unlist_resident(core, x, c.layer_of[x])
         if BACKGROUND:
             drop(core, c, x, p)
-        else:  # no background arrival: nothing resident is fresh (drop's other half)
+        else:  # no background arrival: nothing resident is FRESH (drop's other half)
             core.resident[x] = 0
             size = c.pool_expert_bytes[p]  # the victim's size without a load of its layer
             if size == 0:  # the pool's layers differ in size
@@ -122,7 +130,7 @@ def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
     link.fetch_x[ix(n_fetch)] = x
     if BACKGROUND:
         make_resident(core, c, x, layer, p)
-    else:  # no background arrival: every resident came on demand (src stays DEMAND, 0), none fresh
+    else:  # no background arrival: every resident came on demand (src stays DEMAND, 0), none FRESH
         core.resident[x] = 1
         core.pools[p, BYTES] += c.expert_bytes[layer]
     if LIST_RESIDENTS:
@@ -183,10 +191,13 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             stamp += 1
 
             # selections: frequency and the policy's view advance; selected experts are marked
-            # (a prefill step's unique experts listed). Without SELECT_BEFORE_USE no policy reads
-            # them before the rank loop, which marks each lookup's expert itself.
+            # (a prefill step's unique experts listed). Without SELECT_BEFORE_USE nothing reads
+            # them before the step's first background arrival, or else before its trim: a decode
+            # step then runs the pass at that arrival, or counts and marks each lookup's expert
+            # as the rank loop reaches it (a decode step's k selections are distinct).
             n_unique = 0
-            if SELECT_BEFORE_USE or not decode:
+            counted = SELECT_BEFORE_USE or not decode  # the pass ran (decode: lazily, below)
+            if counted:
                 for t in range(a, b):
                     for i in range(K):
                         x = ix(base + experts[ix(t), layer, i])
@@ -208,6 +219,13 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     advance(core.resident, rc, link, t1, s)
                 x, source = next_completion(link, t1)
             while x >= 0:
+                if not counted:  # the step's selections, before its first arrival's trim
+                    for i in range(K):
+                        y = ix(base + experts[ua, layer, i])
+                        if TRACK_FREQUENCY:
+                            core.freq[y] += inc
+                        core.mark[y] = stamp
+                    counted = True
                 lx = x // E
                 if core.resident[x]:  # fetched meanwhile: the copy served nothing
                     wasted_background(rc, source, c.expert_bytes[lx])
@@ -240,15 +258,18 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 n_fetch = 0
                 for i in range(K):
                     x = ix(base + experts[ua, layer, i])
-                    if MARK_LOOKUPS and not SELECT_BEFORE_USE:
-                        core.mark[x] = stamp
+                    if not counted:
+                        if TRACK_FREQUENCY:
+                            core.freq[x] += inc
+                        if MARK_LOOKUPS:
+                            core.mark[x] = stamp
                     if core.resident[x]:
                         hits += 1
                         eviction.on_use(core, ev, c, x, p, s)
                         if BACKGROUND:
                             used(core, x)
                         continue
-                    if BACKGROUND and link.pending[x] == PREFETCH:
+                    if PREFETCHES and link.pending[x] == PREFETCH:
                         rc[RunCount.LATE_PREFETCHES] += 1
                     if LEAVES_MISSES:
                         gate = np.float64(gates[ua, layer, i])
@@ -317,7 +338,10 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 rc[RunCount.PREFILL_LOOKUPS] += n_unique
                 rc[RunCount.PREFILL_HITS] += hits
             if core.pools[p, BYTES] > core.pools[p, BUDGET]:
-                _trim_step(core, ev, c, p, NO_STAMP if UNMARKED_DECODE and decode else stamp)
+                if STEP_MARKS:
+                    _trim_step(core, ev, c, p, step_stamp(s))
+                else:
+                    _trim_step(core, ev, c, p, NO_STAMP if UNMARKED_DECODE and decode else stamp)
             if decode:
                 if pf.top_p > 0 and layer + pf.distance < L:
                     n = predictor.predict(core, pr, c, ch, a, layer, pf.distance, pf.top_p, pf.buf)
@@ -368,8 +392,10 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
     bound = dict(modules(dict(names)), TRACK_FREQUENCY=bool(needs.frequency),
                  SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents),
                  BACKGROUND=bool(needs.background), LEAVES_MISSES=bool(needs.leaves_misses),
-                 MARK_LOOKUPS=bool(needs.lookup_marks or needs.selections))
-    bound["UNMARKED_DECODE"] = not needs.lookup_marks
+                 MARK_LOOKUPS=bool(needs.lookup_marks or needs.selections),
+                 PREFETCHES=bool(needs.prefetches))
+    bound["UNMARKED_DECODE"] = not needs.lookup_marks and not needs.step_marks
+    bound["STEP_MARKS"] = bool(needs.step_marks)
     steps = {"_trim_step": specialise(_trim, bound, inline=True),
              "_fetch_step": specialise(_fetch, bound, inline=True)}
     return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))

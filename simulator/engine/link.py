@@ -236,6 +236,12 @@ def _submitted_at(link, ready):
     return ready if link.submission_order else max(link.tstate[LINK_FREE], ready)
 
 
+@jit(allocates=False, inline=True)
+def _ring(i, cap):
+    """Ring position ``i`` (< 2 cap) wrapped into [0, cap): a compare, not a division."""
+    return i - cap if i >= cap else i
+
+
 @jit(allocates=False)
 def advance(resident, run_counts, link, t, step):
     """Start the background stages that can begin before t (at step ``step``, which makes
@@ -246,9 +252,9 @@ def advance(resident, run_counts, link, t, step):
     while progressed and st[Q_LEN] > 0:
         progressed = False
         if st[Q_STAGED] < st[Q_LEN]:  # the first stage of the next entry
-            i = (st[Q_HEAD] + st[Q_STAGED]) % cap
+            i = _ring(st[Q_HEAD] + st[Q_STAGED], cap)
             x = link.q_x[i]
-            if link.where[x] != NOT_IN_RAM or link.ram_budget < 0:
+            if link.ram_budget < 0 or link.where[x] != NOT_IN_RAM:  # (where is empty without a tier)
                 _, pageable = tier_access(run_counts, link, x)
                 link.q_ready[i] = link.q_enqueued[i]
                 link.q_pageable[i] = pageable
@@ -279,11 +285,11 @@ def advance(resident, run_counts, link, t, step):
                 run_counts[RunCount.BACKGROUND_BYTES] += size
                 if link.pending[x] == PREFETCH:
                     run_counts[RunCount.PREFETCH_BYTES] += size
-                d = (st[D_HEAD] + st[D_LEN]) % cap
+                d = _ring(st[D_HEAD] + st[D_LEN], cap)
                 link.done_x[d] = x
                 link.done_t[d] = end
                 st[D_LEN] += 1
-            st[Q_HEAD] = (i + 1) % cap
+            st[Q_HEAD] = _ring(i + 1, cap)
             st[Q_LEN] -= 1
             st[Q_STAGED] -= 1
             progressed = True
@@ -332,7 +338,7 @@ def enqueue(run_counts, link, x, t, source, deadline):
         return
     link.pending[x] = source
     st = link.qstate
-    q = (st[Q_HEAD] + st[Q_LEN]) % link.q_x.shape[0]
+    q = _ring(st[Q_HEAD] + st[Q_LEN], link.q_x.shape[0])
     link.q_x[q] = x
     link.q_enqueued[q] = t
     link.q_state[q] = WAITING
@@ -352,7 +358,7 @@ def next_completion(link, t0):
     if st[D_LEN] == 0 or link.done_t[st[D_HEAD]] > t0:
         return -1, 0
     x = link.done_x[st[D_HEAD]]
-    st[D_HEAD] = (st[D_HEAD] + 1) % link.done_x.shape[0]
+    st[D_HEAD] = _ring(st[D_HEAD] + 1, link.done_x.shape[0])
     st[D_LEN] -= 1
     source = link.pending[x]
     _leave(link, x)

@@ -34,6 +34,14 @@ N_ISTATE = 2
 # negative, so a victim search that tests them finds none marked, and one may skip the test
 # (simulator.engine.structures.list_victim: no load of the head's mark).
 NO_STAMP = -1
+
+
+@jit(allocates=False, inline=True)
+def step_stamp(s):
+    """The stamp a trim passes where the eviction tells the residents used in step ``s`` by
+    their last use (``KernelNeeds.step_marks``: every use and insertion stores its step, and no
+    background arrival is inserted unused): ``-2 - s``, below NO_STAMP (``s = -2 - stamp``)."""
+    return -2 - s
 # CoreState.fstate[] entries: the clock, the frequency increment (lfu_decay)
 CLOCK, INC = 0, 1
 N_FSTATE = 2

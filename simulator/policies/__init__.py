@@ -147,11 +147,13 @@ class KernelNeeds(NamedTuple):
     """What a kernel must keep for the chosen variants (compile-time choices of the kernel)."""
 
     frequency: bool = True  # selections counted in core.freq (a READS_FREQUENCY variant)
-    selections: bool = True  # a decode step marks its selections before its lookups
+    selections: bool = True  # a decode step runs its selection pass before its lookups
     layer_residents: bool = True  # each layer's resident list (core.layer_res) is kept
     background: bool = True  # something queues background transfers (admission, prefetch)
     leaves_misses: bool = True  # the miss rule can leave a miss unfetched (it reads the gate)
     lookup_marks: bool = True  # a decode step's rank loop marks each lookup's expert (when not marked before)
+    prefetches: bool = True  # a prefetch variant can queue transfers (a miss may find one late)
+    step_marks: bool = False  # the trim tells the step's used residents by their last use (no marks)
 
 
 def kernel_needs(params, layout=None) -> KernelNeeds:
@@ -163,6 +165,10 @@ def kernel_needs(params, layout=None) -> KernelNeeds:
     - ``layer_residents``: a substitute that can act scans the layers' resident lists
       (``SCANS_LAYER_RESIDENTS``);
     - ``background``: an admission or prefetch variant can queue background transfers;
+    - ``prefetches``: a prefetch variant can (else no queued transfer is a late prefetch);
+    - ``step_marks``: the eviction stores each use's step (``MARKS_BY_LAST_USE``) and nothing
+      arrives in the background (an arrival is inserted, then left unused for the step): the
+      residents a step used are those last used in it, so lookups need no mark;
     - ``leaves_misses``: the miss rule can leave a miss to the miss action (else the kernel
       fetches every miss without reading its gate);
     - ``lookup_marks``: without the marking pass, whether the trim still reads the marks that
@@ -171,11 +177,12 @@ def kernel_needs(params, layout=None) -> KernelNeeds:
       then stops before it reaches one (substitutes mark themselves: a step must not use one
       twice);
     - ``selections``: before a decode step's lookups, something reads which experts the step
-      selected: frequencies, an eviction ``on_select`` hook, a substitute's eligibility, or a
-      background arrival (admission, prefetch) that must not evict them. A substitute whose
-      ``READS_SELECTION_MARKS`` is False marks them itself where it needs to. Otherwise each lookup
-      marks its expert as the rank loop reaches it, and the marks are the same by the step's
-      trim.
+      selected: an eviction ``on_select`` hook or a substitute's eligibility. A substitute whose
+      ``READS_SELECTION_MARKS`` is False marks them itself where it needs to. Otherwise the
+      kernel counts and marks the selections where they are first read: at the step's first
+      background arrival (whose trim must not evict them), or as the rank loop reaches each
+      lookup's expert; frequencies and marks are the same by the step's trim, and no hook
+      called in the rank loop reads another selected expert's frequency or mark.
     """
     from simulator.policies.eviction._base import ignore_select
 
@@ -191,11 +198,14 @@ def kernel_needs(params, layout=None) -> KernelNeeds:
     # a variant that does not say keeps both (the safe side)
     marks = substitutes and getattr(substitute, "READS_SELECTION_MARKS", True)
     step_last = getattr(reg["eviction"][names["eviction"]], "STEP_USES_LAST", False)
-    lookup_marks = not (step_last and layout is not None and _pools_hold_a_step(params, layout))
-    return KernelNeeds(frequency=frequency, selections=frequency or selects or marks or background,
+    step_marks = getattr(reg["eviction"][names["eviction"]], "MARKS_BY_LAST_USE", False) and not background
+    lookup_marks = not step_marks and not (step_last and layout is not None
+                                           and _pools_hold_a_step(params, layout))
+    return KernelNeeds(frequency=frequency, selections=selects or marks,
                        layer_residents=substitutes and getattr(substitute, "SCANS_LAYER_RESIDENTS", True), background=background,
                        leaves_misses=rule.can_leave_misses(rule.make_state(params), params.top_k),
-                       lookup_marks=lookup_marks)
+                       lookup_marks=lookup_marks, prefetches=names["prefetch"] != "none",
+                       step_marks=step_marks)
 
 
 def _pools_hold_a_step(params, layout) -> bool:

@@ -32,7 +32,7 @@ def accumulate(acc, gate, beta):
     return acc, False
 
 
-_accumulate = jit(accumulate, allocates=False)
+_accumulate = jit(accumulate, allocates=False, inline=True)
 
 
 @jit(allocates=False, inline=True)

@@ -10,7 +10,10 @@ step ordinal):
 
 - ``make_state(params, layout) -> State`` (Python)
 - ``on_insert(core, st, c, x, p, s)``: x became resident (an insertion is a use)
-- ``on_use(core, st, c, x, p, s)``: a hit or a substitute's use of resident x
+- ``on_use(core, st, c, x, p, s)``: a hit or a substitute's use of resident x. Where a decode
+  step has no background arrival and no variant reads its selections before its lookups (no
+  ``on_select``), the kernel counts and marks each selection as its lookup comes: in these
+  two hooks, only x's own frequency and mark are the step's (``simulator.policies.kernel_needs``)
 - ``on_select(core, st, c, chunk, t, layer, i, x, p, s)``: the router selected x (token t,
   rank i), after its frequency rose
 - ``on_group(core, st, c, ch, a, b)``: the group of chunk rows ``a..b-1`` starts
@@ -20,6 +23,13 @@ step ordinal):
   (:func:`simulator.engine.state.drop`) and asks again while the pool is over budget
 - ``end_trim(core, st, c, p)``: the trim of pool p is over (restore what a victim search set
   aside)
+
+Optional flags: ``STEP_USES_LAST`` (a used resident becomes the last victim, as in LRU: where
+every pool holds a step, a trim never reaches one and is passed
+:data:`simulator.engine.state.NO_STAMP`); ``MARKS_BY_LAST_USE`` (``on_use`` and ``on_insert``
+store the step: without background arrivals the kernel marks no lookup and passes a negative
+stamp below NO_STAMP, :func:`simulator.engine.state.step_stamp`, and the victim search tells used
+residents by their last use).
 
 Reference twin ``Reference(sim)`` (plain Python, ``sim`` the reference engine): ``on_insert(x,
 step)``, ``on_use(x, step)``, ``on_select(x, layer, step, token, next_group)`` (``token``: the

@@ -9,6 +9,11 @@ are evicted within a step or two, so in the heap each would cost a sift to its t
 down. A trim sorts the unmarked held ones (a handful) and takes victims from them or the heap,
 whichever key is less; at its end it pushes the survivors into the heap but a few of the least
 keys that are still before the heap's top (structures.heap_end_trim_held).
+
+Every use and insertion stores its step in ``last_use``, so where nothing arrives in the
+background the residents used in a step are exactly those last used in it: the kernel then marks
+no lookup and passes the trim the step (``simulator.engine.state.step_stamp``; KernelNeeds.step_marks),
+and the victim search reads ``last_use`` (already one of its keys) instead of the marks.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from simulator.engine.state import NO_STAMP
 from simulator.engine.structures import (
     Heap,
     heap_end_trim_held,
@@ -32,6 +38,7 @@ from simulator.policies.eviction._base import (
 
 on_select, on_group = ignore_select, ignore_group
 READS_FREQUENCY = True  # core.freq orders the heap
+MARKS_BY_LAST_USE = True  # a step's used residents are those whose last use is the step
 
 
 class State(NamedTuple):
@@ -79,7 +86,9 @@ def heap_keys(core, st):
 
 @jit(allocates=False, inline=True)
 def victim(core, st, c, p, stamp):
-    return heap_victim_held(st.heap, c.pool_offset[p], p, stamp, core.freq, st.last_use, core.mark,
+    # step_stamp(s): the residents used in step s are those last used in it
+    marks, stamp = (st.last_use, -2 - stamp) if stamp < NO_STAMP else (core.mark, stamp)
+    return heap_victim_held(st.heap, c.pool_offset[p], p, stamp, core.freq, st.last_use, marks,
                             st.held, st.n_held)
 
 
