@@ -83,8 +83,10 @@ FIRST_RUN_POLICIES = ("fetch_all+lru", "quality_first")  # each also run from Pa
 NOTES = """\
 - **What the kernel leaves out (compile-time, `simulator.policies.kernel_needs`).** Each kernel
   is specialised to what its policies read: frequencies only for a variant that reads them; the
-  decode step's marking pass only where something reads the marks before the trim (a frequency
-  substitute, an eviction's `on_select`, background arrivals); the layers' resident lists only
+  decode step's selection pass before its lookups only where something reads the selections
+  there (a frequency substitute, an eviction's `on_select`); elsewhere the step counts and marks
+  them where they are first read: at its first background arrival, whose trim must not evict
+  them, or as each lookup comes (one pass fewer for LFU, admission and prefetch); the layers' resident lists only
   for a substitute that scans them (logit substitution walks its top-R order, which never holds
   a selected expert, and its rare exact scan tests every expert of the layer); the background
   queue, its completions and the use of arrivals only where admission or prefetch can queue
@@ -92,7 +94,9 @@ NOTES = """\
   every pool holds k experts, the marks of a decode step's lookups (a trim never reaches a
   resident used in the step: used residents are its last victims), and there a decode step's
   trim passes no stamp (`state.NO_STAMP`), so the LRU victim is the list's head with no load of
-  its mark. Outside the kernel's
+  its mark; for LFU where nothing arrives in the background, no mark either: every use stores
+  its step in `last_use`, one of the heap's keys, so the trim is passed the step
+  (`state.step_stamp`) and tells the step's used residents by it. Outside the kernel's
   loop: ids read as stored (int16: no widening per chunk), synchronous fetches timed in one
   loop without a host-RAM tier and without a division (they are of the step's layer), an
   evicted expert's size from its pool where the pool's layers share one (else its layer from a
@@ -184,7 +188,16 @@ NOTES = """\
   meets whose keys rose) gave the heap's hits at about its speed: fetch_all + LFU 63 -> 66 ms,
   quality_first 66 -> 68 ms, rule015 + LFU 44 -> 47 ms (9 rounds). Both dropped: the order's cost
   is the same work in another place. Nor is it the working set: the ratio is the same at 128
-  experts as at 512 (0.347x and 0.34x in the table above), with four times less state per layer.
+  experts as at 512 (0.347x and 0.34x in the table above), with four times less state per layer. Then two passes of work fewer per lookup, with the
+  same order: a step's frequencies counted as its lookups come (no selection pass where nothing
+  reads them before), and no marks where the heap's own last-use key tells which residents the
+  step used (no background arrivals). Side by side (4acfb91 against 25af103, 4 processes per tree
+  of 7 rounds, each policy over the minimal kernel): fetch_all + LFU 2.83-3.17x -> 2.40-2.55x,
+  rule015 + LFU 2.19-2.38x -> 1.94-2.15x, quality_first 3.44-3.81x -> 3.22-3.80x (it admits in
+  the background, so it keeps its marks), fetch_all + LRU 1.40-1.47x -> 1.36-1.45x and rule015 +
+  LRU 1.93-2.05x -> 1.83-1.99x. What quality_first pays beyond rule015 + LFU is its background
+  admission (74,015 arrivals on this trace, each inserted, trimmed for and mostly evicted again
+  unused: 42,523 wasted): with beta = inf it runs at the speed of rule015 + LFU.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest (belady:
   a heap keyed by next use, re-keyed at every selection; LFU policies), not where the reference
   is fastest; fetch_all + LRU is {fa_ref}.
