@@ -158,7 +158,8 @@ NOTES = """\
 - **Substitution and LFU against fetch_all + LRU.** The three shares fall as fetch_all + LRU
   gets faster (at kernel commit abe017a they were met, at 43 M lookups/s for fetch_all + LRU; at
   cb286df, fetch_all + LRU at 1.63x the minimal kernel, 0.48x, 0.79x and 0.52x; at ec8b33e, at
-  1.36x, 0.34x, 0.65x and 0.46x). Where fetch_all + LRU runs at f times its minimal kernel,
+  1.36x, 0.34x, 0.65x and 0.46x; at 4acfb91, with the frequency order's two passes fewer, at
+  1.46x, 0.40x, 0.79x and 0.59x: quality_first's share is the one at its limit). Where fetch_all + LRU runs at f times its minimal kernel,
   rule015 + LRU meets 0.7x only within f x 0.64 / 0.7 of its own minimal kernel (0.64x: the
   minimal kernels' share): 1.37x at f = 1.5, 1.24x at f = 1.36.
   What a substituting policy pays beyond a lookup: the gate and the miss rule per miss, the
@@ -198,6 +199,11 @@ NOTES = """\
   LRU 1.93-2.05x -> 1.83-1.99x. What quality_first pays beyond rule015 + LFU is its background
   admission (74,015 arrivals on this trace, each inserted, trimmed for and mostly evicted again
   unused: 42,523 wasted): with beta = inf it runs at the speed of rule015 + LFU.
+- **A first run from Parquet.** Its kernel share falls as the kernel gets faster: the read of
+  the columns fetch_all + LRU needs (row groups, the checks of ids and gates that bad input must
+  meet) takes 25-40 ms of this 4,096-token trace against a kernel of about 25 ms, and it varies
+  more between runs than the kernel does (the last four bench runs: 42-51 %, then 39 % at
+  4acfb91; the same run timed alone at 4acfb91, 5 rounds: 50 ms per run, 46 % in the kernel).
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest (belady:
   a heap keyed by next use, re-keyed at every selection; LFU policies), not where the reference
   is fastest; fetch_all + LRU is {fa_ref}.
