@@ -115,7 +115,7 @@ def _trim(core, ev, c, p, stamp):
             unlist_resident(core, x, c.layer_of[x])
         if BACKGROUND:
             drop(core, c, x, p)
-        else:  # no background arrival: nothing resident is FRESH (drop's other half)
+        else:  # no background arrival: nothing resident is fresh (drop's other half)
             core.resident[x] = 0
             size = c.pool_expert_bytes[p]  # the victim's size without a load of its layer
             if size == 0:  # the pool's layers differ in size
@@ -130,7 +130,7 @@ def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
     link.fetch_x[ix(n_fetch)] = x
     if BACKGROUND:
         make_resident(core, c, x, layer, p)
-    else:  # no background arrival: every resident came on demand (src stays DEMAND, 0), none FRESH
+    else:  # no background arrival: every resident came on demand (src stays DEMAND, 0), none fresh
         core.resident[x] = 1
         core.pools[p, BYTES] += c.expert_bytes[layer]
     if LIST_RESIDENTS:
