@@ -599,7 +599,7 @@ def test_a_repeated_top_r_id_is_found_at_its_token_and_layer(row, one_pass, monk
     consulted = []
     real = F._top_r_ids_ok
     monkeypatch.setattr(F, "_top_r_ids_ok", lambda *a: (consulted.append(1), real(*a))[1])
-    monkeypatch.setattr(F, "FAST_CHECK_MIN_IDS", 0 if one_pass else F.FAST_CHECK_MIN_IDS)
+    monkeypatch.setattr(F, "_one_pass_pays", lambda size: one_pass)
 
     arrays = make_arrays()
     ids = np.argsort(-arrays["logits"], axis=-1)[..., :R].astype(np.int16)
@@ -655,6 +655,67 @@ def test_the_one_pass_top_r_check_agrees_with_the_numpy_checks(seed):
         assert top_r_ids_ok(ids, experts, experts_n) == expected, (fault, experts_n, r, k)
         outcomes.add(expected)
     assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_one_pass_weight_check_agrees_with_the_numpy_check(seed, monkeypatch):
+    """traces.fastcheck.weights_ok stands in for the NumPy check (find_problem names the row only
+    where it says no): the two must give the same answer, also on -0.0, subnormals and views."""
+    import traces.format as F
+    from traces.fastcheck import weights_ok
+
+    rng = np.random.default_rng(seed)
+    outcomes = set()
+    for _ in range(80):
+        n, layers, k = int(rng.integers(1, 9)), int(rng.integers(1, 4)), int(rng.integers(1, 12))
+        w = rng.random((n, layers, k)).astype(rng.choice([np.float32, np.float64]))
+        t, layer, j = int(rng.integers(n)), int(rng.integers(layers)), int(rng.integers(k))
+        fault = rng.integers(7)
+        if fault == 1:
+            w[t, layer, j] = rng.choice([np.nan, np.inf, -np.inf, -1e-30])
+        elif fault == 2:  # a token-layer of zeros, or of zeros of both signs
+            w[t, layer] = rng.choice([0.0, -0.0], k)
+        elif fault == 3:  # tiny but positive: fine
+            w[t, layer] = np.finfo(w.dtype).smallest_subnormal
+        elif fault == 4:  # a strided view
+            wide = np.zeros((n, layers, 2 * k), w.dtype)
+            wide[..., ::2], w = w, wide[..., ::2]
+        monkeypatch.setattr(F, "_one_pass_pays", lambda size: False)
+        expected = F._plausible_weights(w)
+        assert weights_ok(w) == expected, (fault, w[t, layer])
+        monkeypatch.setattr(F, "_one_pass_pays", lambda size: True)
+        assert F._plausible_weights(w) == expected
+        outcomes.add(expected)
+    assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 8, 9, 10, 15, 16, 17, 63, 64, 65, 127, 128, 129])
+def test_one_pass_gates_are_numpys_bit_for_bit(k, monkeypatch):
+    """normalised_gates through traces.fastcheck (one pass, NumPy's summation order) gives the
+    float32 bits NumPy's division by the summed weights gives, at every width k (above the
+    128-value block it declines and NumPy's path runs); overflowing sums are widened and bad
+    weights refused as on NumPy's path."""
+    import traces.format as F
+    from traces.fastcheck import gates
+
+    rng = np.random.default_rng(k)
+    w = (rng.random((37, 5, k)) * 10.0 ** rng.integers(-8, 9, (37, 5, k))).astype(np.float32)
+    w[3, 1] = 3e38  # the float32 sum overflows (k > 1): NumPy's path widens this token-layer
+    assert (gates(w) is None) == (k > 1)
+    w[3, 1] = 1.0
+    fast = gates(w)
+    assert (fast is None) == (k > 128)
+    monkeypatch.setattr(F, "_one_pass_pays", lambda size: False)
+    expected = F.normalised_gates(w)
+    if fast is not None:
+        assert fast.dtype == np.float32 and fast.tobytes() == expected.tobytes()
+    w[3, 1] = 3e38
+    expected_wide = F.normalised_gates(w)
+    monkeypatch.setattr(F, "_one_pass_pays", lambda size: True)
+    assert F.normalised_gates(w).tobytes() == expected_wide.tobytes()
+    w[0, 0] = 0.0
+    with pytest.raises(ValueError, match="positive sum"):
+        F.normalised_gates(w)
 
 
 def test_a_writer_keeps_no_view_of_a_write_it_flushed_part_of(tmp_path):

@@ -77,15 +77,19 @@ is for files that must stay small, such as the bundled sample; readers take both
 float32 goes through a 256 KiB lookup table (``F16_TO_F32``), at most ``astype``'s time.
 
 The top-R ids are stored the same way, a token-layer's int16 ids as one fixed-size binary value
-(zstd-compressed; the compact encoding keeps ``fixed_size_list<int16>`` with dictionaries and
+(LZ4-compressed; the compact encoding keeps ``fixed_size_list<int16>`` with dictionaries and
 zstd, as earlier versions wrote them; readers take both). A nested list column costs Parquet a
 level per value: on 256 tokens of a 48 x 128 capture with the top 64 ids (2 cores), writing the
 column took 18.3 ms as a dictionary-encoded list (690 KB) and 3.8 ms as binary (880 KB); reading
 it 6.1 ms and 1.5 ms. ``experts`` and ``weights`` are stored the same way, each token-layer's k
-int16 ids and k float32 gates as one zstd-compressed binary value (the compact encoding keeps
+int16 ids and k float32 gates as one LZ4-compressed binary value (the compact encoding keeps
 the lists). ``python -m traces.bench_decode`` (2 cores, 5,000 tokens of 48 x 512, top-10):
 reading without the logits took 17.1 ms of CPU per 1k tokens in the compact encoding and 11.3
-ms in the default one.
+ms in the default one, then with zstd for these columns. LZ4 decodes them in half zstd's CPU
+(the row groups of these columns and the per-token ones for 4,096 tokens of that shape, pages
+verified, all threads, medians of 21 alternating reads: 18.9 ms with zstd, 10.4 ms with LZ4) for
+a quarter more bytes (9.1 -> 11.3 MiB; beside full logits, 212 MiB, a percent). Files written
+with zstd read as before.
 
 Options every chunk source takes (``iter_chunks(max_tokens, *, logits=True, order_r=0,
 stored_ids=False)`` and
@@ -126,6 +130,7 @@ import os
 import re
 import resource
 import stat
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -479,9 +484,14 @@ def normalised_gates(weights: np.ndarray) -> np.ndarray:
     which would make every gate 0) is normalised in float64. The gates are checked finite.
     """
     w = np.ascontiguousarray(weights, dtype=np.float32)
-    with np.errstate(over="ignore"):
+    if _one_pass_pays(w.size) and w.ndim == 3:
+        from traces.fastcheck import gates
+        fast = gates(w)  # None where it does not apply: then NumPy's path below
+        if fast is not None:
+            return fast
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # refused below instead
         sums = w.sum(axis=-1, keepdims=True)
-    gates = w / sums
+        gates = w / sums
     overflow = ~np.isfinite(sums[..., 0])
     if overflow.any():
         wide = w[overflow].astype(np.float64)
@@ -570,7 +580,7 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
             return Problem("logits", t, layer, "router logits contain NaN",
                            "re-capture in a precision that does not overflow, or drop the logits")
     ids = cols.get("logit_ids")
-    if ids is not None and (ids.size < FAST_CHECK_MIN_IDS or not _top_r_ids_ok(ids, experts, num_experts)):
+    if ids is not None and (not _one_pass_pays(ids.size) or not _top_r_ids_ok(ids, experts, num_experts)):
         problem = _top_r_problem(ids, experts, num_experts, first)
         if problem:
             return problem
@@ -594,10 +604,17 @@ def find_problem(meta: TraceMeta, cols: dict[str, np.ndarray]) -> Problem | None
     return None
 
 
-# The one-pass check repays loading Numba (about a second, once per process) on units as large as
+# The one-pass checks repay loading Numba (about a second, once per process) on units as large as
 # a capture's (a 3,206-token unit of 8 layers with top-64 ids holds 1.6 M ids); smaller ones take the
-# NumPy checks alone (under 7 ms at this size).
+# NumPy checks alone (under 7 ms at this size), unless the process has loaded Numba already.
 FAST_CHECK_MIN_IDS = 1 << 20
+
+
+def _one_pass_pays(size: int) -> bool:
+    """Whether a unit of ``size`` values takes ``traces.fastcheck``'s one-pass Numba functions:
+    at least ``FAST_CHECK_MIN_IDS`` values, or any size where Numba is loaded already (as in the
+    simulator: then what remains is loading their cached machine code, once per process)."""
+    return size >= FAST_CHECK_MIN_IDS or "numba" in sys.modules
 
 
 def _top_r_ids_ok(ids: np.ndarray, experts: np.ndarray, num_experts: int) -> bool:
@@ -663,8 +680,11 @@ def _any_nan(values: np.ndarray, block: int = 1 << 20) -> bool:
 
 def _plausible_weights(weights: np.ndarray) -> bool:
     """Every gate weight finite and non-negative, and every token-layer with a positive one (so of
-    positive sum): whole-array reductions and one pass per rank, which are several times faster
-    than reducing each token-layer's k weights."""
+    positive sum). In NumPy, whole-array reductions and one pass per rank, which are several
+    times faster than reducing each token-layer's k weights; the one-pass check where it pays."""
+    if _one_pass_pays(weights.size) and weights.ndim == 3:
+        from traces.fastcheck import weights_ok
+        return weights_ok(weights)
     if not (np.isfinite(weights).all() and (weights >= 0).all()):
         return False
     positive = np.zeros(weights.shape[:-1], bool)
@@ -1213,8 +1233,8 @@ class TraceWriter:
 
 
 def parquet_options(schema: pa.Schema) -> dict:
-    """Writer settings: LZ4 for the logits (see *Logits encoding*), zstd and byte-stream-split
-    for the float columns, zstd and dictionaries for the integers, a CRC-32 checksum on every
+    """Writer settings: LZ4 for the binary columns (see *Logits encoding*), zstd and
+    byte-stream-split for the float columns, zstd and dictionaries for the integers, a CRC-32 checksum on every
     page (verified by the reader), and min/max statistics for every column but the binary ones."""
     def leaf(f: pa.Field) -> tuple[str, pa.DataType]:
         nested = pa.types.is_fixed_size_list(f.type)
@@ -1227,7 +1247,10 @@ def parquet_options(schema: pa.Schema) -> dict:
     # (1.8 of 24 ms of a 3,206-token unit's encoding with top-64 logits, 2 cores)
     described = [name for name, t in leaves if not pa.types.is_fixed_size_binary(t)]
     # dictionary encoding would take precedence over byte-stream-split: integers only
-    return {"compression": {name: "lz4" if name == "logits" else "zstd" for name, _ in leaves},
+    # LZ4 for the per-token-layer binary values (logits, ids, gates): zstd saves little on them
+    # and takes twice the CPU to decode (see *Logits encoding*)
+    binary = {name for name, t in leaves if pa.types.is_fixed_size_binary(t)}
+    return {"compression": {name: "lz4" if name in binary else "zstd" for name, _ in leaves},
             "use_dictionary": integers, "use_byte_stream_split": floats, "write_page_checksum": True,
             "write_statistics": described}
 
@@ -1407,7 +1430,7 @@ class TraceReader:
         """(first group, checked columns) of each chunk in trace order, the columns in their
         on-disk form (what TraceWriter writes, ContentHash hashes and :func:`decode_stored`
         decodes): per-token columns (T,), per-layer ones (T, L, width), logits float16."""
-        rows = _RowGroups(self._pf, self._columns, self._where)
+        rows = _RowGroups(self._pf, self._chunk_columns(), self._where)
         for start, stop, first_group in self._plan(max_tokens):
             yield int(first_group), self._read_stored(rows, int(start), int(stop), descending=False)
 
@@ -1438,11 +1461,16 @@ class TraceReader:
     def _iter(self, plan: np.ndarray, descending: bool, logits: bool, order_r: int,
               stored_ids: bool) -> Iterator[TraceChunk]:
         skipped = () if logits or order_r else ("logits", "logit_ids")
-        rows = _RowGroups(self._pf, [name for name in self._columns if name not in skipped], self._where)
+        rows = _RowGroups(self._pf, self._chunk_columns(skipped), self._where)
         for start, stop, first_group in plan:
             stored = self._read_stored(rows, int(start), int(stop), descending)
             yield decode_stored(self.meta, stored, int(first_group), logits=logits, order_r=order_r,
                                 stored_ids=stored_ids)
+
+    def _chunk_columns(self, skipped: Iterable[str] = ()) -> list[str]:
+        """The columns a chunk's read decodes: all but ``skipped`` and ``layer`` (which the plan's
+        scan has checked; a chunk holds tokens, not rows)."""
+        return [name for name in self._columns if name not in ("layer", *skipped)]
 
     def _read_stored(self, rows: _RowGroups, start: int, stop: int,
                      descending: bool) -> dict[str, np.ndarray]:
@@ -1458,7 +1486,7 @@ class TraceReader:
         for name in rows.columns:
             if name in per_layer:
                 cols[name] = _numpy(table, name, (t, num_layers, *per_layer[name]))
-            elif name != "layer":
+            else:
                 cols[name] = _numpy(table, name, (t, num_layers))[:, 0].copy()
         del table
         problem = find_problem(meta, cols)
