@@ -105,6 +105,50 @@ def test_round_trip_keeps_every_column_and_the_metadata(good_file):
     assert chunk.group[0] == 0 and (np.diff(chunk.group) >= 0).all()
 
 
+@pytest.mark.parametrize("domain", [True, False])
+def test_the_per_token_columns_the_scan_keeps_read_as_from_the_rows(good_file, tmp_path, monkeypatch, domain):
+    """Up to KEEP_SCANNED_TOKENS tokens, the plan's scan keeps seq, pos, phase and domain and the
+    chunks read only the other columns; every chunk (both directions, any size) and every stored
+    unit equals a read of them from the rows. An out-of-range domain is still found."""
+    import traces.format as F
+
+    path = good_file
+    if not domain:
+        path = tmp_path / "no_domain.parquet"
+        with TraceWriter(path, make_meta(), row_group_tokens=7) as writer:
+            writer.write(**{k: v for k, v in make_arrays().items() if k != "domain"})
+        assert "domain" not in pq.ParquetFile(path).schema_arrow.names
+
+    def read(keep: int):
+        monkeypatch.setattr(F, "KEEP_SCANNED_TOKENS", keep)
+        with open_trace(path) as reader:
+            out = [list(reader.iter_chunks(n)) + list(reader.iter_chunks_reversed(n)) for n in (1, 6, 40)]
+            out.append([cols for _, cols in reader.iter_stored(9)])
+            kept = set(reader._scanned)
+            columns = reader._chunk_columns()
+        return out, kept, columns
+
+    kept_read, kept, columns = read(1 << 22)
+    rows_read, none_kept, all_columns = read(0)
+    assert kept == {"seq", "pos", "phase"} | ({"domain"} if domain else set()) and not none_kept
+    assert not kept & set(columns) and kept <= set(all_columns)
+    for a, b in zip(kept_read[:-1], rows_read[:-1], strict=True):
+        assert len(a) == len(b) and all(chunks_equal(x, y) for x, y in zip(a, b, strict=True))
+    for a, b in zip(kept_read[-1], rows_read[-1], strict=True):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+    if domain:  # a domain without a name in the metadata, now read from the scan's copy
+        bad = tmp_path / "bad_domain.parquet"
+        table = pq.read_table(good_file)
+        domains = table.column("domain").to_numpy().copy()
+        domains[25 * L:26 * L] = 7  # every row of token 25
+        pq.write_table(table.set_column(table.schema.get_field_index("domain"), "domain",
+                                        pa.array(domains, pa.int16())), bad)
+        monkeypatch.setattr(F, "KEEP_SCANNED_TOKENS", 1 << 22)
+        with open_trace(bad) as reader, pytest.raises(InputError, match="'domain'.*index 7"):
+            list(reader.iter_chunks())
+
+
 def test_optional_columns_absent_read_as_documented(tmp_path):
     meta = make_meta(has_logits=False, has_residency=False)
     arrays = make_arrays(12)

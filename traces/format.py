@@ -159,6 +159,10 @@ CHUNK_BYTES = 64 * 2**20  # decoded bytes a default chunk aims at
 # this, and a reader holds one row group besides its chunk
 ROW_GROUP_BYTES = 16 * 2**20
 SCAN_ROWS = 2**20  # rows per batch when streaming the small columns to plan chunks
+# The scan that plans chunks keeps the per-token columns it reads (seq, pos, phase and domain: 11
+# bytes a token) for traces of up to this many tokens, so that chunks read only the per-layer
+# columns: each column a read decodes costs Arrow about 70 us per row group, even when tiny.
+KEEP_SCANNED_TOKENS = 1 << 22
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _TOKEN_COLUMNS = ("token_id", "domain", "nll")  # optional per-token columns, in file order
 LOOKAHEAD_NO_LAYER = -1  # look-ahead id where layer l + d does not exist (its logits are -inf)
@@ -1305,7 +1309,7 @@ class _RowGroups:
     def _group(self, i: int) -> pa.Table:
         if self._cached is None or self._cached[0] != i:
             try:
-                table = self.pf.read_row_group(i, columns=self.columns)
+                table = self.pf.read_row_group(i, columns=self.columns, use_threads=False)
             except (pa.ArrowException, OSError) as exc:
                 raise InputError(
                     f"{self.where}: row group {i} cannot be read ({_one_line(exc)}); the file is "
@@ -1401,6 +1405,7 @@ class TraceReader:
         self._max_row_group_rows = max(md.row_group(i).num_rows for i in range(md.num_row_groups))
         self._need_memory(1)  # one token and one row group
         self._plans: dict[int, np.ndarray] = {}
+        self._scanned: dict[str, np.ndarray] = {}  # per-token columns the scan kept (whole trace)
 
     @property
     def num_tokens(self) -> int:
@@ -1430,8 +1435,9 @@ class TraceReader:
         """(first group, checked columns) of each chunk in trace order, the columns in their
         on-disk form (what TraceWriter writes, ContentHash hashes and :func:`decode_stored`
         decodes): per-token columns (T,), per-layer ones (T, L, width), logits float16."""
+        plan = self._plan(max_tokens)  # first: the scan may keep per-token columns
         rows = _RowGroups(self._pf, self._chunk_columns(), self._where)
-        for start, stop, first_group in self._plan(max_tokens):
+        for start, stop, first_group in plan:
             yield int(first_group), self._read_stored(rows, int(start), int(stop), descending=False)
 
     def verify(self) -> str:
@@ -1468,9 +1474,9 @@ class TraceReader:
                                 stored_ids=stored_ids)
 
     def _chunk_columns(self, skipped: Iterable[str] = ()) -> list[str]:
-        """The columns a chunk's read decodes: all but ``skipped`` and ``layer`` (which the plan's
-        scan has checked; a chunk holds tokens, not rows)."""
-        return [name for name in self._columns if name not in ("layer", *skipped)]
+        """The columns a chunk's read decodes: all but ``skipped``, ``layer`` (which the plan's
+        scan has checked; a chunk holds tokens, not rows) and the per-token columns the scan kept."""
+        return [name for name in self._columns if name not in ("layer", *skipped, *self._scanned)]
 
     def _read_stored(self, rows: _RowGroups, start: int, stop: int,
                      descending: bool) -> dict[str, np.ndarray]:
@@ -1489,6 +1495,9 @@ class TraceReader:
             else:
                 cols[name] = _numpy(table, name, (t, num_layers))[:, 0].copy()
         del table
+        for name in self._columns:
+            if name in self._scanned and name not in cols:
+                cols[name] = self._scanned[name][start:stop].copy()
         problem = find_problem(meta, cols)
         if problem:
             _raise(self._where, problem, cols["seq"], cols["pos"])
@@ -1518,10 +1527,15 @@ class TraceReader:
         expected_layers = np.arange(num_layers, dtype=np.int16)
         prev: tuple[int, int, int] | None = None  # (seq, pos, phase) of the last token seen
         first_token = 0
-        batches = _whole_token_rows(self._pf, ["seq", "pos", "layer", "phase"],
+        kept = (["seq", "pos", "phase"] + [n for n in ("domain",) if n in self._columns]
+                if self.num_tokens <= KEEP_SCANNED_TOKENS else [])
+        pieces: dict[str, list[np.ndarray]] = {name: [] for name in kept}
+        batches = _whole_token_rows(self._pf, ["seq", "pos", "layer", "phase", *kept[3:]],
                                     max(1, SCAN_ROWS // num_layers), num_layers, self._where)
         for rows in batches:
             by_token = {name: v.reshape(-1, num_layers) for name, v in rows.items()}
+            for name in kept:
+                pieces[name].append(by_token[name][:, 0].copy())
             mismatch = by_token["layer"] != expected_layers
             for name in ("seq", "pos", "phase"):
                 mismatch |= by_token[name] != by_token[name][:, :1]
@@ -1542,6 +1556,8 @@ class TraceReader:
             yield first_token + np.flatnonzero(starts)
             prev = (int(seq[-1]), int(pos[-1]), int(phase[-1]))
             first_token += seq.shape[0]
+        if kept:  # the whole trace scanned and checked
+            self._scanned = {name: np.concatenate(pieces[name]) for name in kept}
 
     def close(self) -> None:
         self._pf.close()
