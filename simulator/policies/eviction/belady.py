@@ -52,8 +52,10 @@ def make_state(params, layout, first_use=None):
     L, E = params.num_layers, params.num_experts
     X = L * E
     neg_next = np.full(X, -NEVER_STEP, np.int64)
-    if first_use is not None:
-        neg_next[:] = [-next_use_step(int(first_use[x]), x // E, L) for x in range(X)]
+    if first_use is not None:  # next_use_step of every expert, at once
+        first = np.asarray(first_use, np.int64)
+        seen = first != NEVER_GROUP
+        neg_next[seen] = -(first[seen] * L + np.arange(X, dtype=np.int64)[seen] // E)
     heap = make_heap(int(layout.pool_capacity.sum()), X, layout.pool_budget_bytes.shape[0])
     return State(heap, np.zeros(X, np.float64), neg_next)
 
