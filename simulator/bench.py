@@ -379,6 +379,8 @@ def _work_shape(task: dict) -> dict:
         # order of the first logit-substituting policy: ~0.8 s here, which a timed round would
         # otherwise carry); not timed
         simulate(source, params)
+    if task.get("compile_only"):  # a process of its own compiles: its memory is not counted
+        return {}
     cpu = {name: [] for name in runs}
     wall = {name: [] for name in runs}
     peak = dict.fromkeys(runs, 0)
@@ -734,10 +736,14 @@ def run_bench(repeats: int, scale_tokens: int, work_dir: Path, token_scale: floa
 
     for s in shapes:
         _say(f"{s.name}: policies, reference engine, MRC, libCacheSim")
-        figures["shapes"][s.name].update(_run({
-            "kind": "shape", "trace": str(traces[s.name]), "cache_dir": str(cache_dir),
-            "model": s.model, "ref_tokens": s.ref_tokens, "repeats": repeats,
-            "work_dir": str(work_dir)}))
+        task = {"kind": "shape", "trace": str(traces[s.name]), "cache_dir": str(cache_dir),
+                "model": s.model, "ref_tokens": s.ref_tokens, "repeats": repeats,
+                "work_dir": str(work_dir)}
+        # the policies' kernels that Numba's cache lacks (all of them after a change of the
+        # engine or a policy) are compiled in a process of their own, as for the scale passes:
+        # compiling in the measuring process raised every policy's peak RSS by about 300 MiB
+        _run(dict(task, compile_only=True))
+        figures["shapes"][s.name].update(_run(task))
 
     for s in shapes:  # the copy with what the runs added to it (top-R logit ids)
         figures["shapes"][s.name]["cache_bytes"] = _dir_bytes(cached_source(traces[s.name], cache_dir).directory)
@@ -748,9 +754,7 @@ def run_bench(repeats: int, scale_tokens: int, work_dir: Path, token_scale: floa
         _say("streaming the large trace through the engine")
         task = {"kind": "scale", "trace": str(scale_path), "model": SCALE_SHAPE.model,
                 "cache_dir": str(cache_dir)}
-        # kernels missing from Numba's cache are compiled in a process of its own first: a
-        # compilation in the measuring process kept about 300 MiB more in every pass's peak RSS
-        _run(dict(task, compile_only=True))
+        _run(dict(task, compile_only=True))  # as for the shapes
         figures["scale"] = _run(task)
         scale_path.unlink()
 
@@ -966,7 +970,7 @@ def render(fig: dict) -> str:
         "",
         "Peak RSS is the worker process's high-water mark during that policy's runs (trace mapped "
         f"from the trace cache; the process holds {first['baseline_rss'] / mib:.0f} MiB after its "
-        "imports). *Numba / reference*: CPU time of the reference engine over the Numba engine "
+        "imports; kernels missing from Numba's cache were compiled in another process before). *Numba / reference*: CPU time of the reference engine over the Numba engine "
         "on the trace's first tokens ("
         + ", ".join(f"{s['shape']['name']}: {s['policies']['fetch_all+lru']['ref_tokens']}"
                     for s in fig["shapes"].values())
