@@ -212,12 +212,13 @@ NOTES = """\
   file against 6196993 with an LZ4 one, alternating processes, 3 x 15 runs, all threads'
   CPU): 63.2 -> 55.7 ms.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest, not
-  where the reference is fastest (fetch_all + LRU: {fa_ref}). belady went from 48-65x to about
-  100x (Qwen3-Next 22.8 M lookups/s, from 15.9): its state's first next-use keys were set in a
-  Python loop over every expert of every layer, half of a 256-token run, now in one NumPy
-  expression. The lowest are now the substituting policies on Qwen3-30B: on the reference's
-  prefix (an in-memory source that keeps no top-R order) both engines rank the residents by
-  the exact scan at every substitution.
+  where the reference is fastest (fetch_all + LRU: {fa_ref}). belady's state set its first
+  next-use keys in a Python loop over every expert of every layer, half of a 256-token run; in
+  one NumPy expression since e9697cc, belady on Qwen3-Next went 65x -> 105x and 117x in the two
+  bench runs after, at 15.9 -> 22.8 and 19.4 M lookups/s. What stays below 100x is Qwen3-30B's
+  (80-105x over those two runs; a ratio moves by up to a fifth between runs): belady, and the
+  substituting policies, which on the reference's prefix (an in-memory source that keeps no
+  top-R order) rank the residents by the exact scan in both engines at every substitution.
 - **libCacheSim.** Our exact per-lookup LRU and FIFO cost {ours_ns} ns (Qwen3 shapes, global
   pool), libCacheSim's `process_trace` {lcs_ns} ns per request including its trace reader; 10x
   would need {need_ns} ns per lookup. Where the question is the hit rate over cache sizes, the
@@ -1150,7 +1151,7 @@ def render(fig: dict) -> str:
                          f"{kernel / parquet:.0%}"])
     if rows:
         out += ["", "A first run, straight from the Parquet file (no trace cache; the columns the policy reads "
-                "are decoded as it streams; CPU s of all the process's threads, Arrow's decode pool included), "
+                "are decoded as it streams; CPU s of all the process's threads), "
                 "against the same run from the trace cache (the kernel alone, CPU s), medians (of "
                 f"{max(fig['repeats'], FIRST_RUN_REPEATS)} runs from Parquet):", ""]
         out.append(_table(["trace", "policy", "reads logits", "from Parquet CPU s", "from the trace cache CPU s",
