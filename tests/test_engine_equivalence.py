@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -64,14 +65,24 @@ def test_engines_agree_through_the_parquet_reader(tmp_path):
             assert_same(fast, simulate(reader, p, "reference", chunk_tokens=3))
 
 
-def test_next_use_rows_match_a_direct_search():
+@pytest.mark.parametrize("in_memory_tokens", [None, 0, 9])
+def test_next_use_rows_match_a_direct_search(in_memory_tokens, monkeypatch):
+    """In memory, in a file from the first chunk, or spilled to one after a few chunks."""
+    import simulator.engine.nextuse as nextuse
+
     rng = np.random.default_rng(3)
     source = random_trace(rng)
     c = source.chunk
-    L, E = source.meta.num_layers, source.meta.num_experts
+    L, E, K = source.meta.num_layers, source.meta.num_experts, source.meta.top_k
+    if in_memory_tokens is not None:
+        monkeypatch.setattr(nextuse, "IN_MEMORY_BYTES", in_memory_tokens * L * K * 4)
     with NextUseFile(source, chunk_tokens=4) as next_use:
+        assert (next_use._dir is None) == (in_memory_tokens is None)
         rows = next_use.rows(0, c.num_tokens)
+        assert np.array_equal(next_use.rows(5, 11), rows[5:11])
         first_use = next_use.first_use.copy()
+        folder = next_use._dir.name if next_use._dir is not None else None
+    assert folder is None or not os.path.exists(folder)
     for t in range(c.num_tokens):
         for layer in range(L):
             for i, e in enumerate(c.experts[t, layer]):

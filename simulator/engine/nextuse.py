@@ -2,7 +2,9 @@
 
 One reverse pass over the trace writes int32 next-use rows (``NEVER_GROUP`` = never again) to a
 temporary memory-mapped file, so a long trace is never held in memory; the simulation pass then
-reads them back chunk by chunk in trace order. The file is deleted when the pass closes.
+reads them back chunk by chunk in trace order. The file is deleted when the pass closes. Rows of
+up to ``IN_MEMORY_BYTES`` stay in memory instead (a short run would spend more on the file's
+creation, mapping and removal than on its kernel).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from simulator.jit import jit
 from traces.format import TraceChunk, slice_chunk
 
 NEVER_GROUP = 2**31 - 1  # in next-use rows (int32 group ordinals): never selected again
+IN_MEMORY_BYTES = 64 << 20  # next-use rows kept in memory up to this size, then in a file
 
 
 @jit(allocates=False)
@@ -68,11 +71,12 @@ class NextUseFile:
     def __init__(self, source, last_warmup_group: int = -1, chunk_tokens: int | None = None):
         meta = source.meta
         L, E, K = meta.num_layers, meta.num_experts, meta.top_k
-        self._dir = tempfile.TemporaryDirectory(prefix="moe-next-use-")
-        path = os.path.join(self._dir.name, "next_use.int32")
+        self._dir = None  # the file's folder, once the rows outgrow IN_MEMORY_BYTES
         last_seen = np.full(L * E, NEVER_GROUP, np.int32)
+        held: list[np.ndarray] = []  # rows last token first, while in memory
+        f = None
         n = 0
-        with open(path, "wb") as f:  # rows are written last token first
+        try:
             for chunk in _chunks_backwards(source, chunk_tokens):
                 chunk = after_group(chunk, last_warmup_group)
                 if chunk.num_tokens == 0:
@@ -84,11 +88,24 @@ class NextUseFile:
                     last_seen,
                     out,
                 )
-                f.write(out[::-1].tobytes())
+                held.append(out[::-1])
                 n += chunk.num_tokens
+                if f is None and n * L * K * 4 > IN_MEMORY_BYTES:
+                    self._dir = tempfile.TemporaryDirectory(prefix="moe-next-use-")
+                    f = open(os.path.join(self._dir.name, "next_use.int32"), "wb")  # noqa: SIM115
+                if f is not None:
+                    for rows in held:
+                        f.write(rows.tobytes())
+                    held.clear()
+        finally:
+            if f is not None:
+                f.close()
         self.first_use = last_seen  # int32[L*E]: each expert's first selection
         self.num_tokens = n
-        self._rows = np.memmap(path, np.int32, "r", shape=(n, L, K)) if n else None
+        if f is not None:
+            self._rows = np.memmap(f.name, np.int32, "r", shape=(n, L, K))
+        else:
+            self._rows = np.concatenate(held) if held else None
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """int32[stop - start, L, k] rows of simulated tokens [start, stop), in trace order."""
@@ -97,7 +114,8 @@ class NextUseFile:
 
     def close(self) -> None:
         self._rows = None  # release the mapping before the file goes
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
 
     def __enter__(self) -> NextUseFile:
         return self
