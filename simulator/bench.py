@@ -213,12 +213,14 @@ NOTES = """\
   CPU): 63.2 -> 55.7 ms.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest, not
   where the reference is fastest (fetch_all + LRU: {fa_ref}). belady's state set its first
-  next-use keys in a Python loop over every expert of every layer, half of a 256-token run; in
-  one NumPy expression since e9697cc, belady on Qwen3-Next went 65x -> 105x and 117x in the two
-  bench runs after, at 15.9 -> 22.8 and 19.4 M lookups/s. What stays below 100x is Qwen3-30B's
-  (80-105x over those two runs; a ratio moves by up to a fifth between runs): belady, and the
-  substituting policies, which on the reference's prefix (an in-memory source that keeps no
-  top-R order) rank the residents by the exact scan in both engines at every substitution.
+  next-use keys in a Python loop over every expert of every layer, half of a 256-token run (one
+  NumPy expression since e9697cc), and its next-use rows went through a temporary file, whose
+  creation, mapping and removal cost a short run more than its kernel (kept in memory up to 64
+  MiB since f35d6de). belady against the reference, from 4acfb91: Qwen3-Next 65x -> 105-117x,
+  Qwen3-30B 82x -> 80-99x at e9697cc and 104x at f35d6de (a ratio moves by up to a fifth between
+  runs). What stays below 100x is the substituting policies on Qwen3-30B (90-105x in the last
+  three runs): on the reference's prefix (an in-memory source that keeps no top-R order) both
+  engines rank the residents by the exact scan at every substitution.
 - **libCacheSim.** Our exact per-lookup LRU and FIFO cost {ours_ns} ns (Qwen3 shapes, global
   pool), libCacheSim's `process_trace` {lcs_ns} ns per request including its trace reader; 10x
   would need {need_ns} ns per lookup. Where the question is the hit rate over cache sizes, the
