@@ -117,7 +117,7 @@ def test_the_top_r_walk_chooses_what_the_exact_scan_chooses(seed, top_r):
     rng = np.random.default_rng(3 * 10**6 + seed)
     source = random_trace(rng, logits=True)
     source.chunk.logits[:] = np.round(source.chunk.logits * 2) / 2
-    source.keeps_logit_order = True  # walk as from the trace cache (it computes the order per chunk)
+    source.keeps_logit_order = True  # walk as from the trace cache (ranked once, kept)
     for rule in ("rule015", "first_choice", "substitute_all"):
         p = random_params(rng, source.meta, rule=rule)
         p = dataclasses.replace(p, substitute_by="logit", miss_action="substitute",

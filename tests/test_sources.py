@@ -114,6 +114,7 @@ def test_every_source_and_option_gives_the_same_chunks(trace, tmp_path):
         cache = tmp_path / f"cache{n}"
         sources = {"reader": lambda: open_trace(path), "compact encoding": lambda: open_trace(legacy),
                    "memory": lambda: ArraySource(meta, whole),
+                   "memory, order kept": lambda: ArraySource(meta, whole, keep_order=True),
                    "cache, building": lambda c=cache: cached_source(path, c),  # the first pass builds it
                    "cache, built": lambda c=cache: cached_source(path, c),
                    "limited reader": lambda: LimitedSource(open_trace(path), T),
@@ -127,6 +128,22 @@ def test_every_source_and_option_gives_the_same_chunks(trace, tmp_path):
             got = list(iterate(max_tokens, logits=logits, order_r=order_r))
             assert len(got) == len(want) and all(map(chunks_equal, got, want)), (
                 name, logits, order_r, reverse, max_tokens)
+
+
+def test_an_in_memory_source_keeps_its_order_once_ranked(trace):
+    """``keep_order``: ranked once over the whole trace, served as views in later passes; the
+    same rows as a source that ranks every chunk."""
+    meta, whole = read_trace(trace[0])
+    kept, plain = ArraySource(meta, whole, keep_order=True), ArraySource(meta, whole)
+    assert kept.keeps_logit_order and not getattr(plain, "keeps_logit_order", False)
+    first = list(kept.iter_chunks(5, order_r=3))
+    again = list(kept.iter_chunks_reversed(7, order_r=3))[::-1]
+    base = first[0].logit_order.base
+    assert base is not None and all(c.logit_order.base is base for c in first + again)
+    for mine, theirs in ((first, plain.iter_chunks(5, order_r=3)), (again, plain.iter_chunks(7, order_r=3))):
+        theirs = list(theirs)
+        assert len(mine) == len(theirs) and all(map(chunks_equal, mine, theirs))
+    assert list(kept.iter_chunks(order_r=2))[0].logit_order.shape[-1] == 2  # another R, ranked apart
 
 
 @pytest.mark.parametrize("r", [1, 4, 64])

@@ -1780,11 +1780,16 @@ class ArraySource:
 
     Implements the chunk-source protocol the engines read (``meta``, ``num_tokens`` and the
     re-iterable ``iter_chunks`` / ``iter_chunks_reversed``), cut like the Parquet reader cuts.
+    ``keep_order``: a ``logit_order`` asked for is ranked once over the whole trace and kept, as
+    the trace cache keeps it (so the engines walk it, :func:`simulator.engine.read_options`);
+    without, every pass that asks ranks its chunks again.
     """
 
-    def __init__(self, meta: TraceMeta, chunk: TraceChunk):
+    def __init__(self, meta: TraceMeta, chunk: TraceChunk, keep_order: bool = False):
         self.meta = meta
         self.chunk = chunk
+        self.keeps_logit_order = keep_order
+        self._orders: dict[int, np.ndarray] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -1805,9 +1810,13 @@ class ArraySource:
         return self._chunks(self._plan(max_tokens)[::-1], logits, order_width(self.meta, order_r))
 
     def _chunks(self, plan: np.ndarray, logits: bool, order_r: int) -> Iterator[TraceChunk]:
+        if order_r and self.keeps_logit_order and order_r not in self._orders:
+            self._orders[order_r] = logit_order(self.chunk.logits, order_r, exclude=self.chunk.experts)
         for start, stop, _ in plan:
             c = slice_chunk(self.chunk, int(start), int(stop))
-            if order_r:
+            if order_r in self._orders:
+                c.logit_order = self._orders[order_r][start:stop]
+            elif order_r:
                 c.logit_order = logit_order(c.logits, order_r, exclude=c.experts)
             if not logits:
                 c.logits = self.chunk.logits[:0]
