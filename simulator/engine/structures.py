@@ -211,6 +211,18 @@ def heap_rekey(h, c, x, p, k1, k2):
 
 
 @jit(allocates=False, inline=True)
+def heap_rekey_before(h, c, x, p, k1, k2):
+    """:func:`heap_rekey` for a key that never comes after x's stored key: x can only move
+    toward the top (one sift, inlined)."""
+    off = c.pool_offset[p]
+    pos = h.slot[x]
+    q = ix(off + pos)
+    h.hkey1[q] = k1
+    h.hkey2[q] = k2
+    _sift_up(h, pos, off)
+
+
+@jit(allocates=False, inline=True)
 def heap_before_top(h, off, p, x, k1, k2):
     """Whether key (k1, k2, x) is before the stored key of pool p's top (False if empty)."""
     return h.count[p] > 0 and _before(k1, k2, x, h.hkey1[ix(off)], h.hkey2[ix(off)], h.items[ix(off)])

@@ -4,7 +4,7 @@ infinitely far); ties by the lower id.
 Needs the future: a reverse pre-pass (simulator.engine.nextuse) gives every selection the group
 of the same expert's next selection. An expert's next use advances at the start of each step
 that selects it. Kernel: an indexed min-heap per pool keyed (0, -next-use step), re-keyed
-eagerly at every selection of a resident.
+eagerly at every selection of a resident (one sift toward the top: a next use only moves later).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from simulator.engine.nextuse import NEVER_GROUP
 from simulator.engine.structures import (
     Heap,
     heap_push,
-    heap_rekey,
+    heap_rekey_before,
     make_heap,
 )
 from simulator.jit import jit
@@ -75,7 +75,7 @@ def on_select(core, st, c, chunk, t, layer, i, x, p, s):
     L = chunk.experts.shape[1]
     st.neg_next[x] = -_next_use_step(chunk.next_use[t, layer, i], layer, L)
     if core.resident[x]:
-        heap_rekey(st.heap, c, x, p, 0.0, st.neg_next[x])
+        heap_rekey_before(st.heap, c, x, p, 0.0, st.neg_next[x])  # a next use only moves later
 
 
 LAZY_KEYS = False  # re-keyed at every selection
