@@ -210,17 +210,25 @@ NOTES = """\
   follows and checks per width); and chunks that read only per-layer columns (the plan's scan
   keeps seq, pos, phase and domain). A whole first run side by side (02147c8 with its own zstd
   file against 6196993 with an LZ4 one, alternating processes, 3 x 15 runs, all threads'
-  CPU): 63.2 -> 55.7 ms.
+  CPU): 63.2 -> 55.7 ms. The share moves between runs of the same tree: the run before this
+  one (de9bc4b) took 66 ms for the first run, 36 %, where this one took
+  49 ms (and quality_first 0.38x fetch_all + LRU, here 0.42x); b103ed7 and de9bc4b side by
+  side in alternating processes gave 51-54 ms each.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest, not
-  where the reference is fastest (fetch_all + LRU: {fa_ref}). belady's state set its first
-  next-use keys in a Python loop over every expert of every layer, half of a 256-token run (one
-  NumPy expression since e9697cc), and its next-use rows went through a temporary file, whose
-  creation, mapping and removal cost a short run more than its kernel (kept in memory up to 64
-  MiB since f35d6de). belady against the reference, from 4acfb91: Qwen3-Next 65x -> 105-117x,
-  Qwen3-30B 82x -> 80-99x at e9697cc and 104x at f35d6de (a ratio moves by up to a fifth between
-  runs). What stays below 100x is the substituting policies on Qwen3-30B (90-105x in the last
-  three runs): on the reference's prefix (an in-memory source that keeps no top-R order) both
-  engines rank the residents by the exact scan at every substitution.
+  where the reference is fastest (fetch_all + LRU: {fa_ref}). The reference's prefix keeps its
+  top-R order since 965f1a7 (`ArraySource(keep_order=True)`, ranked once in the untimed run,
+  as the trace cache keeps it), so the Numba engine walks the order there as it does in the
+  throughput runs above, and the reference scans every resident; the results are compared.
+  Before, the prefix kept no order and both engines scanned: the substituting policies on
+  Qwen3-30B were 90-105x, now 272-476x (quality_first there: 94x -> 308x, results equal).
+  belady is now the lowest. Its state set its first next-use keys in a Python loop over every
+  expert of every layer, half of a 256-token run (one NumPy expression since e9697cc); its
+  next-use rows went through a temporary file, whose creation, mapping and removal cost a
+  short run more than its kernel (kept in memory up to 64 MiB since f35d6de); and a selected
+  resident's re-key sifted both ways, though its key only moves toward the top (one inlined
+  sift since de9bc4b; side by side, 4,096 Qwen3-Next tokens: 4.84-5.55x -> 4.75-4.85x the
+  minimal kernel). belady against the reference, from 4acfb91: Qwen3-Next 65x -> 105-117x ->
+  122-143x, Qwen3-30B 82x -> 80-104x -> 128x (a ratio moves by up to a fifth between runs).
 - **libCacheSim.** Our exact per-lookup LRU and FIFO cost {ours_ns} ns (Qwen3 shapes, global
   pool), libCacheSim's `process_trace` {lcs_ns} ns per request including its trace reader; 10x
   would need {need_ns} ns per lookup. Where the question is the hit rate over cache sizes, the
