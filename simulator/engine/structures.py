@@ -199,17 +199,6 @@ def heap_push(h, c, x, p, k1, k2):
     _sift_up(h, n, off)
 
 
-@jit(allocates=False)
-def heap_rekey(h, c, x, p, k1, k2):
-    """Store x's new key and restore the heap order."""
-    off = c.pool_offset[p]
-    q = off + h.slot[x]
-    h.hkey1[q] = k1
-    h.hkey2[q] = k2
-    _sift_up(h, h.slot[x], off)
-    _sift_down(h, h.slot[x], off, h.count[p])
-
-
 @jit(allocates=False, inline=True)
 def heap_rekey_before(h, c, x, p, k1, k2):
     """:func:`heap_rekey` for a key that never comes after x's stored key: x can only move
@@ -220,6 +209,13 @@ def heap_rekey_before(h, c, x, p, k1, k2):
     h.hkey1[q] = k1
     h.hkey2[q] = k2
     _sift_up(h, pos, off)
+
+
+@jit(allocates=False)
+def heap_rekey(h, c, x, p, k1, k2):
+    """Store x's new key and restore the heap order."""
+    heap_rekey_before(h, c, x, p, k1, k2)
+    _sift_down(h, h.slot[x], c.pool_offset[p], h.count[p])
 
 
 @jit(allocates=False, inline=True)
