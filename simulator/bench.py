@@ -151,9 +151,8 @@ NOTES = """\
   the engine's fetch_all + LFU at {lfu_eng} of its fetch_all + LRU, in {lfu_over} the textbook
   kernel's time. Tried side by side and left out for no measured gain (alternating processes,
   medians and minima of 11-15 rounds): the walk without its mark test (a resident in the order
-  is never marked before the walk passes it), a walk that tests four candidates per branch, the
-  synchronous fetches' clock as one add per copy, and the LRU lists' two links of an expert in
-  one cache line (fetch_all + LRU 18.0-18.4 -> 19.0-21.7 ms: slower). An LRU kept as a log of
+  is never marked before the walk passes it), a walk that tests four candidates per branch,
+  and the LRU lists' two links of an expert in one cache line (fetch_all + LRU 18.0-18.4 -> 19.0-21.7 ms: slower). An LRU kept as a log of
   uses, pruned lazily at the trim (a hit is three stores, no loads), ran at 0.63x the linked
   list's speed in the minimal kernel: a victim then costs a read of every stale use before it.
 - **Substitution and LFU against fetch_all + LRU.** The three shares fall as fetch_all + LRU
@@ -237,6 +236,25 @@ NOTES = """\
 - **Mixtral (top-2).** Per-step work (the clock and the synchronous fetches' timing, counters,
   trim) is spread over only two lookups: {mx_steps} M steps/s, {mx_lookups} M lookups/s
   (fetch_all + LRU).
+- **The clock's chain.** The simulated clock is one chain of dependent float operations from
+  step to step (non-expert time, the fetches' copies, the expert phase), so whatever lies on it
+  is paid in full at every step. A copy's latency was read as `latency_us[1 if start > free
+  else 0]`: a compare, then a load whose address waits for it, on that chain. It is now chosen
+  by a branch (the link is idle or it is not; the branch is predicted, the chain keeps two
+  adds), in the synchronous fetches and in every copy (`link._copy`), with the same sums in the
+  same order (the engines' equivalence tests). Where nothing leaves a miss unfetched, a decode
+  step's expert phase is k x the expert time, one precomputed value per layer. The kernel
+  advances the background queue at each step's expert phase inlined (a call passed every array
+  of the link's state: over a hundred words on the stack). Side by side (64b1c20 against the
+  change, Qwen3-Next, 4,096 tokens, 3 processes per tree of 5 rounds, each policy over the
+  minimal kernel): fetch_all + LRU 1.36-1.41x -> 1.31-1.34x, quality_first 3.21-3.39x ->
+  2.84-3.04x, speed_first 3.20-3.36x -> 2.82-3.04x; rule015 + LRU (1.77-1.85x / 1.81-1.83x),
+  fetch_all + LFU (2.40-2.47x / 2.45-2.49x), rule015 + LFU and belady unchanged. On Mixtral's
+  global LRU (65,536 tokens, the libCacheSim comparison below, alternating processes) the
+  ratio to libCacheSim went 2.86x and 2.99x -> 3.71x and 3.30x (libCacheSim itself ran at
+  13-19 M requests/s in those runs). Tried and left out: a prefill step compiled apart from
+  the kernel's loop (fewer live values in the decode path): fetch_all + LRU 1.28-1.32x ->
+  1.15-1.24x, but rule015 + LRU 1.83-1.99x -> 1.91-2.10x.
 - **Trace cache size on every shape.** A copy holds the float16 logits (2 B per expert and
   token-layer), the selections (2 B id and 4 B gate per rank) and, once a logit-substituting
   policy ran, the top-R order (2 B per entry): 1.18x the logits at 512 experts and top-10. At

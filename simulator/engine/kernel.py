@@ -16,7 +16,13 @@ from typing import NamedTuple
 import numpy as np
 
 from simulator.engine.layout import Layout, frequency_fill, make_layout
-from simulator.engine.link import Q_LEN, advance, make_link_state, next_completion, sync_fetches
+from simulator.engine.link import (
+    Q_LEN,
+    advance_inline,
+    make_link_state,
+    next_completion,
+    sync_fetches,
+)
 from simulator.engine.params import CPU, SimParams
 from simulator.engine.state import (
     BUDGET,
@@ -216,7 +222,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             x, source = -1, 0
             if BACKGROUND:
                 if link.qstate[Q_LEN] > 0:
-                    advance(core.resident, rc, link, t1, s)
+                    advance_inline(core.resident, rc, link, t1, s)
                 x, source = next_completion(link, t1)
             while x >= 0:
                 if not counted:  # the step's selections, before its first arrival's trim
@@ -296,9 +302,12 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
                 clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s, layer)
                 stall = clock - t1
-                gpu_phase = (hits + fetches + substitutions) * c.gpu_expert_us[layer]
-                cpu_phase = cpu_calls * c.cpu_expert_us[layer]
-                end = clock + max(gpu_phase, cpu_phase)
+                if LEAVES_MISSES:
+                    gpu_phase = (hits + fetches + substitutions) * c.gpu_expert_us[layer]
+                    cpu_phase = cpu_calls * c.cpu_expert_us[layer]
+                    end = clock + max(gpu_phase, cpu_phase)
+                else:  # every call a hit or a fetch: k experts on the GPU
+                    end = clock + c.decode_gpu_us[layer]
                 # calls (k per step), hits (the calls left) and the mass histogram's zero-mass
                 # steps are completed from the decode steps by derived_counts
                 lc[layer, LayerCount.FETCHES] += fetches

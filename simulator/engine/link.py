@@ -197,11 +197,15 @@ def _tier_access(run_counts, link, x):
 
 @jit(allocates=False, inline=True)
 def _copy(run_counts, link, x, ready, pageable):
-    """Put the copy of x on the link at the earliest from ``ready``; returns its end."""
+    """Put the copy of x on the link at the earliest from ``ready``; returns its end. It starts
+    at ``ready`` on an idle link (idle latency), else when the link is free (burst latency)."""
     layer = x // link.num_experts
     free = link.tstate[LINK_FREE]
-    start = max(ready, free)
-    end = start + (link.latency_us[1 if start > free else 0] + link.copy_us[pageable, layer])
+    copy_us = link.copy_us[pageable, layer]
+    if ready > free:
+        end = ready + (link.latency_us[1] + copy_us)
+    else:
+        end = free + (link.latency_us[0] + copy_us)
     link.tstate[LINK_FREE] = end
     run_counts[RunCount.BYTES_FETCHED] += link.expert_bytes[layer]
     return end
@@ -242,8 +246,7 @@ def _ring(i, cap):
     return i - cap if i >= cap else i
 
 
-@jit(allocates=False)
-def advance(resident, run_counts, link, t, step):
+def _advance(resident, run_counts, link, t, step):
     """Start the background stages that can begin before t (at step ``step``, which makes
     prefetches for earlier steps stale); record completed copies."""
     st = link.qstate
@@ -295,6 +298,13 @@ def advance(resident, run_counts, link, t, step):
             progressed = True
 
 
+# The kernel advances the queue at each step's expert phase, inlined: a call passes every array
+# of the LinkState (over a hundred words on the stack), which cost quality_first about a tenth of
+# its time. The copy that waits for its read (sync_fetches, host-RAM tier) calls it.
+advance = jit(_advance, allocates=False)
+advance_inline = jit(_advance, allocates=False, inline=True)
+
+
 @jit(allocates=False, inline=True)
 def sync_fetches(resident, run_counts, link, t1, n, step, layer):
     """The step's synchronous fetches ``link.fetch_x[:n]`` (experts of ``layer``), issued at t1;
@@ -302,17 +312,25 @@ def sync_fetches(resident, run_counts, link, t1, n, step, layer):
 
     The background queue was advanced to t1 when the step's expert phase began (before its
     fetches became resident); a copy that waits for its read lets the queue advance to the read's
-    end. Without a host-RAM tier every copy is ready at t1 and reads pinned memory: the copies
-    follow one another from t1, the same sums in the same order as :func:`_copy`'s.
+    end. Without a host-RAM tier every copy is ready at t1 and reads pinned memory: the first
+    starts at t1 on an idle link (idle latency) or when the link is free (burst latency), and
+    each later one follows the one before it back to back, the same sums in the same order as
+    :func:`_copy`'s. The latency is chosen by a branch, not by an index into ``latency_us``: an
+    index computed from the clock put a load on the chain of dependent float operations that
+    carries the clock from step to step.
     """
     if link.pinned_budget < 0 and link.ram_budget < 0:
         if n == 0:
             return t1
         copy_us = link.copy_us[0, layer]
         free = link.tstate[LINK_FREE]
-        for _ in range(n):
-            start = max(t1, free)
-            free = start + (link.latency_us[1 if start > free else 0] + copy_us)
+        burst = link.latency_us[0] + copy_us
+        if t1 > free:
+            free = t1 + (link.latency_us[1] + copy_us)
+        else:
+            free = free + burst
+        for _ in range(n - 1):
+            free = free + burst
         link.tstate[LINK_FREE] = free
         run_counts[RunCount.BYTES_FETCHED] += n * link.expert_bytes[layer]
         return free

@@ -61,6 +61,7 @@ class Consts(NamedTuple):
     nonexpert_us: np.ndarray  # float64[L]: non-expert compute plus the fixed cost of a step
     gpu_expert_us: np.ndarray  # float64[L]
     cpu_expert_us: np.ndarray  # float64[L]
+    decode_gpu_us: np.ndarray  # float64[L]: k x gpu_expert_us, a decode step's experts without CPU calls
 
 
 class CoreState(NamedTuple):
@@ -117,6 +118,7 @@ def make_consts(params: SimParams, layout: Layout) -> Consts:
         nonexpert_us=f64(params.nonexpert_us) + float(params.step_fixed_us),
         gpu_expert_us=f64(params.gpu_expert_us),
         cpu_expert_us=f64(params.cpu_expert_us),
+        decode_gpu_us=params.top_k * f64(params.gpu_expert_us),
     )
 
 
