@@ -209,10 +209,14 @@ NOTES = """\
   follows and checks per width); and chunks that read only per-layer columns (the plan's scan
   keeps seq, pos, phase and domain). A whole first run side by side (02147c8 with its own zstd
   file against 6196993 with an LZ4 one, alternating processes, 3 x 15 runs, all threads'
-  CPU): 63.2 -> 55.7 ms. The share moves between runs of the same tree: the run before this
-  one (de9bc4b) took 66 ms for the first run, 36 %, where this one took
-  49 ms (and quality_first 0.38x fetch_all + LRU, here 0.42x); b103ed7 and de9bc4b side by
-  side in alternating processes gave 51-54 ms each.
+  CPU): 63.2 -> 55.7 ms. The share moves between runs more than any other figure, and the
+  faster kernel lowers it too (the same read over less kernel time). Medians of the first run
+  in `make bench` on the same machine: de9bc4b 66 ms (36 %) and 49 ms (52 %); d51c3d8 76 ms
+  (32 %) and 64 ms (35 %, the run shown). In the run shown its 7 samples were 71, 67, 66, 64,
+  51, 52 and 53 ms: fast and slow runs of the one process, not a slower reader. The same
+  measurement (`simulator.bench._first_run`, 7 runs) in a process of its own gives 52-55 ms on
+  the same trace, also after the shape's other work in one process (50 ms, `_work_shape` with
+  one repeat), so about 45 % in the kernel; the figure in the table is kept as measured.
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest, not
   where the reference is fastest (fetch_all + LRU: {fa_ref}). The reference's prefix keeps its
   top-R order since 965f1a7 (`ArraySource(keep_order=True)`, ranked once in the untimed run,
@@ -252,7 +256,8 @@ NOTES = """\
   fetch_all + LFU (2.40-2.47x / 2.45-2.49x), rule015 + LFU and belady unchanged. On Mixtral's
   global LRU (65,536 tokens, the libCacheSim comparison below, alternating processes) the
   ratio to libCacheSim went 2.86x and 2.99x -> 3.71x and 3.30x (libCacheSim itself ran at
-  13-19 M requests/s in those runs). Tried and left out: a prefill step compiled apart from
+  13-19 M requests/s in those runs); in two full `make bench` runs at d51c3d8 it was 2.99x and
+  2.98x (2.7x at de9bc4b): still short of 3x by a hair. Tried and left out: a prefill step compiled apart from
   the kernel's loop (fewer live values in the decode path): fetch_all + LRU 1.28-1.32x ->
   1.15-1.24x, but rule015 + LRU 1.83-1.99x -> 1.91-2.10x.
 - **Trace cache size on every shape.** A copy holds the float16 logits (2 B per expert and
