@@ -217,9 +217,10 @@ NOTES = """\
   measurement (`simulator.bench._first_run`, 7 runs) in a process of its own gives 52-55 ms on
   the same trace, about 45 % in the kernel. After the shape's other work in one process it
   depends on how much came before: 50 ms after `_work_shape` with one repeat, 78 falling to
-  57 ms over the 7 rounds after three. The figure in the table is kept as measured there; the
-  bench now measures a first run in a worker process of its own (`_work_first_run`), as a
-  user's run is, and says which way each table was measured.
+  57 ms over the 7 rounds after three. Since 308b0de the bench measures a first run in a
+  worker process of its own (`_work_first_run`), as a user's run is, and says which way each
+  table was measured; the run shown is the first so measured (its samples: 69, 52, 53, 54,
+  54, 53 and 54 ms).
 - **Numba >= 100x the reference.** The ratio is lowest where the Numba path is slowest, not
   where the reference is fastest (fetch_all + LRU: {fa_ref}). The reference's prefix keeps its
   top-R order since 965f1a7 (`ArraySource(keep_order=True)`, ranked once in the untimed run,
@@ -259,8 +260,8 @@ NOTES = """\
   fetch_all + LFU (2.40-2.47x / 2.45-2.49x), rule015 + LFU and belady unchanged. On Mixtral's
   global LRU (65,536 tokens, the libCacheSim comparison below, alternating processes) the
   ratio to libCacheSim went 2.86x and 2.99x -> 3.71x and 3.30x (libCacheSim itself ran at
-  13-19 M requests/s in those runs); in two full `make bench` runs at d51c3d8 it was 2.99x and
-  2.98x (2.7x at de9bc4b): still short of 3x by a hair. Tried and left out: a prefill step compiled apart from
+  13-19 M requests/s in those runs); in three full `make bench` runs at d51c3d8 it was 2.99x,
+  2.98x and 2.96x (2.7x at de9bc4b): still short of 3x by a hair. Tried and left out: a prefill step compiled apart from
   the kernel's loop (fewer live values in the decode path): fetch_all + LRU 1.28-1.32x ->
   1.15-1.24x, but rule015 + LRU 1.83-1.99x -> 1.91-2.10x.
 - **Trace cache size on every shape.** A copy holds the float16 logits (2 B per expert and
