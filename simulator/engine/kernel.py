@@ -22,6 +22,7 @@ from simulator.engine.link import (
     make_link_state,
     next_completion,
     sync_fetches,
+    untiered,
 )
 from simulator.engine.params import CPU, SimParams
 from simulator.engine.state import (
@@ -32,6 +33,7 @@ from simulator.engine.state import (
     MASS_STEPS,
     NO_STAMP,
     PREFETCH,
+    PREFILL_FETCH_BYTES,
     STAMP,
     bin_masses,
     drop,
@@ -308,8 +310,9 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     end = clock + max(gpu_phase, cpu_phase)
                 else:  # every call a hit or a fetch: k experts on the GPU
                     end = clock + c.decode_gpu_us[layer]
-                # calls (k per step), hits (the calls left) and the mass histogram's zero-mass
-                # steps are completed from the decode steps by derived_counts
+                # calls (k per step), hits (the calls left), the mass histogram's zero-mass
+                # steps and, without a host-RAM tier, the fetches' bytes are completed from the
+                # decode steps by derived_counts
                 lc[layer, LayerCount.FETCHES] += fetches
                 if forced:
                     lc[layer, LayerCount.FORCED_FETCHES] += forced
@@ -342,6 +345,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                         n_fetch = _fetch_step(core, c, link, ev, x, layer, p, s, t1, n_fetch)
                 clock = sync_fetches(core.resident, core.run_counts, link, t1, n_fetch, s, layer)
                 fetches = n_unique - hits
+                core.istate[PREFILL_FETCH_BYTES] += fetches * c.expert_bytes[layer]
                 stall = clock - t1
                 end = clock + n_unique * c.gpu_expert_us[layer]
                 rc[RunCount.PREFILL_LOOKUPS] += n_unique
@@ -511,7 +515,9 @@ class KernelSimulator:
         core = self.core
         layer_counts, run_counts, zero_mass = derived_counts(
             core.layer_counts, core.run_counts, int(core.istate[MASS_STEPS]), self.decode_tokens,
-            self.params.top_k, self.warm_inserts - int(np.count_nonzero(core.resident)))
+            self.params.top_k, self.warm_inserts - int(np.count_nonzero(core.resident)),
+            self.consts.expert_bytes if untiered.py_func(self.link) else None,
+            int(core.istate[PREFILL_FETCH_BYTES]))
         result = build_result(tokens, layer_counts, core.layer_sums, run_counts,
                               core.mass_hist, float(core.fstate[CLOCK]), own_mass_hist=True)
         result.mass_hist[0] += zero_mass
@@ -519,14 +525,21 @@ class KernelSimulator:
 
 
 def derived_counts(layer_counts: np.ndarray, run_counts: np.ndarray, mass_steps: int, decode_tokens: int,
-                   top_k: int, warm_minus_resident: int) -> tuple[np.ndarray, np.ndarray, int]:
+                   top_k: int, warm_minus_resident: int, fetch_bytes: np.ndarray | None = None,
+                   prefill_fetch_bytes: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     """The counters the kernel leaves to be derived, completed: every decode step of a layer
     makes k calls, each a hit, a fetch, a substitution or a CPU call; every expert made resident
     (warm-up, fetches, background arrivals) is resident now or was evicted
-    (``warm_minus_resident``: the warm-up's experts less the residents now). Also the decode
+    (``warm_minus_resident``: the warm-up's experts less the residents now); without a host-RAM
+    tier (``fetch_bytes``: each layer's expert bytes), the bytes of the synchronous fetches,
+    which link.sync_fetches leaves uncounted: the decode steps' from their layers' fetch counts,
+    the prefill steps' as the kernel summed them (``prefill_fetch_bytes``). Also the decode
     steps with no substituted mass, which belong in the mass histogram's first bin: the kernel
     records only the ``mass_steps`` others."""
     runs = run_counts.copy()
+    if fetch_bytes is not None:
+        runs[RunCount.BYTES_FETCHED] += (int(layer_counts[:, LayerCount.FETCHES] @ fetch_bytes)
+                                         + prefill_fetch_bytes)
     runs[RunCount.EVICTIONS] = (warm_minus_resident + int(layer_counts[:, LayerCount.FETCHES].sum())
                                 + runs[RunCount.PREFILL_LOOKUPS] - runs[RunCount.PREFILL_HITS]
                                 + runs[RunCount.BACKGROUND_ADMISSIONS])
