@@ -159,9 +159,16 @@ NOTES = """\
   gets faster (at kernel commit abe017a they were met, at 43 M lookups/s for fetch_all + LRU; at
   cb286df, fetch_all + LRU at 1.63x the minimal kernel, 0.48x, 0.79x and 0.52x; at ec8b33e, at
   1.36x, 0.34x, 0.65x and 0.46x; at 4acfb91, with the frequency order's two passes fewer, at
-  1.46x, 0.40x, 0.79x and 0.59x: quality_first's share is the one at its limit). Where fetch_all + LRU runs at f times its minimal kernel,
-  rule015 + LRU meets 0.7x only within f x 0.64 / 0.7 of its own minimal kernel (0.64x: the
-  minimal kernels' share): 1.37x at f = 1.5, 1.24x at f = 1.36.
+  1.46x, 0.40x, 0.79x and 0.59x: quality_first's share is the one at its limit; at d51c3d8, at
+  1.33x, 0.42x, 0.71x and 0.53x, all three met; at 86a554a, with the counts derived after the run
+  (below), at 1.14x, 0.38x, 0.62x and 0.46x, none met, though the three policies themselves ran
+  as fast as before or faster: quality_first 36.1 -> 38.0, rule015 + LRU 60.6 -> 62.9, fetch_all +
+  LFU 45.5 -> 46.5 M lookups/s, fetch_all + LRU 85.6 -> 101.0). Where fetch_all + LRU runs at
+  f times its minimal kernel, rule015 + LRU meets 0.7x only within f x m / 0.7 of its own
+  minimal kernel (m: the minimal kernels' share, 0.64x when first measured, 0.60x in the runs
+  since): 1.37x at f = 1.5 and m = 0.64, 1.24x at f = 1.36; at f = 1.14 and m = 0.60, 0.98x:
+  rule015 + LRU would have to run faster than the least code that does its work (it runs at
+  1.09x of it), so the 0.7x share now asks for a cheaper substitution, not a leaner engine.
   What a substituting policy pays beyond a lookup: the gate and the miss rule per miss, the
   top-R walk and a substitute's use. The walk's order rows are read once each, in trace order:
   a step's first walk prefetches the next two steps' rows, and the 800 KB mass histogram is
@@ -264,6 +271,20 @@ NOTES = """\
   2.98x and 2.96x (2.7x at de9bc4b): still short of 3x by a hair. Tried and left out: a prefill step compiled apart from
   the kernel's loop (fewer live values in the decode path): fetch_all + LRU 1.28-1.32x ->
   1.15-1.24x, but rule015 + LRU 1.83-1.99x -> 1.91-2.10x.
+- **Counts derived after the run.** The synchronous fetches' bytes (`RunCount.BYTES_FETCHED`)
+  were added up in every step, a read-modify-write of memory beside the fetch count's. Without a
+  host-RAM tier they are now derived after the run: the decode steps' from their layers' fetch
+  counts, the prefill steps' from one sum the kernel keeps off the decode path
+  (`kernel.derived_counts`, 86a554a; the same results in the engines' equivalence tests). Hand
+  experiments on Mixtral's global LRU had found that dropping either of the step's two counter
+  updates gained about a sixth, both together no more, and other stores in their place nothing:
+  what the decode loop keeps live, not the store itself. Side by side (db39896 against the
+  change, Qwen3-Next, 4,096 tokens, 3 processes per tree of 5 rounds, over the minimal kernel):
+  fetch_all + LRU 1.33-1.34x -> 1.13-1.20x, and in a second comparison 1.32-1.41x ->
+  1.14-1.24x; rule015 + LRU, quality_first and fetch_all + LFU unchanged within the noise.
+  Mixtral's global LRU against libCacheSim, alternating processes: 3.03x and 2.98x -> 3.57x and
+  3.56x. Dropping the fetch count's update as well gained nothing more (fetch_all + LRU
+  1.13-1.16x -> 1.16-1.18x over the minimal kernel, 3 alternating processes of 9 rounds).
 - **Trace cache size on every shape.** A copy holds the float16 logits (2 B per expert and
   token-layer), the selections (2 B id and 4 B gate per rank) and, once a logit-substituting
   policy ran, the top-R order (2 B per entry): 1.18x the logits at 512 experts and top-10. At
