@@ -234,7 +234,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                             core.freq[y] += inc
                         core.mark[y] = stamp
                     counted = True
-                lx = x // E
+                lx = ix(c.layer_of[x])
                 if core.resident[x]:  # fetched meanwhile: the copy served nothing
                     wasted_background(rc, source, c.expert_bytes[lx])
                 else:

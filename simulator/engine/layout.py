@@ -24,6 +24,7 @@ class Layout:
     pool_expert_bytes: np.ndarray  # int64[P]: the size of every expert the pool holds; 0 where its layers' sizes differ
     pool_largest_bytes: np.ndarray  # int64[P]: the largest expert size among the pool's layers
     ssd_us: np.ndarray  # float64[L]: ssd_latency_us + bytes / ssd_bytes_per_us
+    layer_of: np.ndarray  # int32[L*E]: the layer of expert x (x // E: a load where a division costs more)
 
 
 def make_layout(params: SimParams, meta: TraceMeta) -> Layout:
@@ -67,6 +68,7 @@ def make_layout(params: SimParams, meta: TraceMeta) -> Layout:
         pool_expert_bytes=uniform,
         pool_largest_bytes=largest,
         ssd_us=params.ssd_latency_us + eb / params.ssd_bytes_per_us,
+        layer_of=np.repeat(np.arange(L, dtype=np.int32), E),
     )
 
 

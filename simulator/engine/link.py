@@ -35,7 +35,7 @@ from simulator.engine.layout import Layout
 from simulator.engine.params import SimParams
 from simulator.engine.state import PREFETCH
 from simulator.engine.structures import HEAD, Lists, list_append, list_unlink, make_lists
-from simulator.jit import jit
+from simulator.jit import ix, jit
 from simulator.metrics import RunCount
 
 # LinkState.qstate[] entries: queue head, its length, how many entries passed their first
@@ -51,7 +51,7 @@ WAITING, STAGED, DROPPED = 0, 1, 2
 
 
 class LinkState(NamedTuple):
-    num_experts: int
+    layer_of: np.ndarray  # int32[X]: the layer of expert x (Layout.layer_of)
     expert_bytes: np.ndarray  # int64[L]
     copy_us: np.ndarray  # float64[2, L]: bytes / bandwidth, pinned (row 0) and pageable (row 1)
     latency_us: np.ndarray  # float64[2]: a copy's latency back to back (0), on an idle link (1)
@@ -90,7 +90,7 @@ def make_link_state(params: SimParams, layout: Layout, background: bool = True) 
     F = E if tier else 0
     eb = np.asarray(params.expert_bytes, dtype=np.float64)
     return LinkState(
-        num_experts=E,
+        layer_of=layout.layer_of,
         expert_bytes=np.ascontiguousarray(params.expert_bytes, dtype=np.int64),
         copy_us=np.stack([eb / params.pcie_bytes_per_us, eb / params.pcie_pageable_bytes_per_us]),
         latency_us=np.array([params.pcie_latency_us, params.pcie_idle_latency_us]),
@@ -133,7 +133,7 @@ def _tier_insert_pinned(link, x, size):
         list_unlink(link.ram, y, PINNED - 1)
         list_append(link.ram, y, PAGEABLE - 1)
         link.where[y] = PAGEABLE
-        ysize = link.expert_bytes[y // link.num_experts]
+        ysize = link.expert_bytes[ix(link.layer_of[y])]
         st[PINNED_BYTES] -= ysize
         st[PAGEABLE_BYTES] += ysize
 
@@ -149,7 +149,7 @@ def _tier_evict_to_fit(link, size):
             y = link.ram.ends[HEAD, segment - 1]
             list_unlink(link.ram, y, segment - 1)
             link.where[y] = NOT_IN_RAM
-            st[held] -= link.expert_bytes[y // link.num_experts]
+            st[held] -= link.expert_bytes[ix(link.layer_of[y])]
 
 
 @jit(allocates=False, inline=True)
@@ -174,7 +174,7 @@ def untiered(link):
 
 @jit(allocates=False)
 def _tier_access(run_counts, link, x):
-    size = link.expert_bytes[x // link.num_experts]
+    size = link.expert_bytes[ix(link.layer_of[x])]
     w = link.where[x]
     st = link.qstate
     if w == PINNED:
@@ -205,7 +205,7 @@ def _tier_access(run_counts, link, x):
 def _copy(run_counts, link, x, ready, pageable):
     """Put the copy of x on the link at the earliest from ``ready``; returns its end. It starts
     at ``ready`` on an idle link (idle latency), else when the link is free (burst latency)."""
-    layer = x // link.num_experts
+    layer = ix(link.layer_of[x])
     free = link.tstate[LINK_FREE]
     copy_us = link.copy_us[pageable, layer]
     if ready > free:
@@ -221,7 +221,7 @@ def _copy(run_counts, link, x, ready, pageable):
 def _read(link, x, ready):
     """Put the SSD read of x on the SSD at the earliest from ``ready``; returns its end."""
     start = max(ready, link.tstate[SSD_FREE])
-    end = start + link.ssd_us[x // link.num_experts]
+    end = start + link.ssd_us[ix(link.layer_of[x])]
     link.tstate[SSD_FREE] = end
     return end
 
@@ -235,7 +235,7 @@ def _stale(link, i, step):
 def _leave(link, x):
     """x's background transfer is over (dropped or completed): it may be queued again."""
     if link.pending[x] == PREFETCH:
-        link.qstate[PREFETCH_BYTES] -= link.expert_bytes[x // link.num_experts]
+        link.qstate[PREFETCH_BYTES] -= link.expert_bytes[ix(link.layer_of[x])]
     link.pending[x] = 0
 
 
@@ -290,7 +290,7 @@ def _advance(resident, run_counts, link, t, step):
                 if _submitted_at(link, link.q_ready[i]) >= t:
                     continue
                 end = _copy(run_counts, link, x, link.q_ready[i], link.q_pageable[i])
-                size = link.expert_bytes[x // link.num_experts]
+                size = link.expert_bytes[ix(link.layer_of[x])]
                 run_counts[RunCount.BACKGROUND_BYTES] += size
                 if link.pending[x] == PREFETCH:
                     run_counts[RunCount.PREFETCH_BYTES] += size
@@ -371,7 +371,7 @@ def enqueue(run_counts, link, x, t, source, deadline):
     link.q_deadline[q] = deadline
     st[Q_LEN] += 1
     if source == PREFETCH:
-        st[PREFETCH_BYTES] += link.expert_bytes[x // link.num_experts]
+        st[PREFETCH_BYTES] += link.expert_bytes[ix(link.layer_of[x])]
         run_counts[RunCount.PREFETCHES] += 1
     else:
         run_counts[RunCount.BACKGROUND_ENQUEUED] += 1

@@ -59,7 +59,7 @@ class Consts(NamedTuple):
     pool_of_layer: np.ndarray  # int32[L]
     pool_offset: np.ndarray  # int64[P]: start of a pool's segment in per-pool slot arrays
     expert_bytes: np.ndarray  # int64[L]
-    layer_of: np.ndarray  # int32[X]: x // num_experts (a load where a division costs more)
+    layer_of: np.ndarray  # int32[X]: x // num_experts (Layout.layer_of)
     pool_expert_bytes: np.ndarray  # int64[P]: Layout.pool_expert_bytes (0: the pool's layers' sizes differ)
     nonexpert_us: np.ndarray  # float64[L]: non-expert compute plus the fixed cost of a step
     gpu_expert_us: np.ndarray  # float64[L]
@@ -116,7 +116,7 @@ def make_consts(params: SimParams, layout: Layout) -> Consts:
         pool_of_layer=layout.pool_of_layer,
         pool_offset=layout.pool_offset,
         expert_bytes=np.ascontiguousarray(params.expert_bytes, dtype=np.int64),
-        layer_of=np.repeat(np.arange(params.num_layers, dtype=np.int32), params.num_experts),
+        layer_of=layout.layer_of,
         pool_expert_bytes=layout.pool_expert_bytes,
         nonexpert_us=f64(params.nonexpert_us) + float(params.step_fixed_us),
         gpu_expert_us=f64(params.gpu_expert_us),
