@@ -204,8 +204,9 @@ def test_lookups_are_marked_only_where_a_trim_can_meet_a_used_resident(eviction,
     ("fetch_all", {}, True),
     ("rule015", {}, True),  # substitutes' uses store their step too
     ("rule015", {"substitute_by": "frequency"}, True),  # marks the selections for the substitute
-    ("rule015", {"beta": 0.3}, False),  # an arrival is inserted and left unused: marks
-    ("fetch_all", {"prefetch": "topp", "predictor": "previous"}, False),
+    # an arrival is inserted and, not selected, left fresh: still no marks
+    ("rule015", {"beta": 0.3}, True),
+    ("fetch_all", {"prefetch": "topp", "predictor": "previous"}, True),
 ])
 @pytest.mark.parametrize("budget", [1, 2, 3])
 def test_lfu_tells_a_steps_used_residents_by_their_last_use(rule, extra, step_marks, budget):

@@ -98,18 +98,25 @@ def test_predictions_need_look_ahead_routing():
 PREDICTORS = ("lookahead", "previous", "frequency", "coactivation")
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_engines_agree_with_prefetch(seed):
-    """Every predictor in turn, with random prefetch options, against the reference."""
-    rng = np.random.default_rng(12 * 10**6 + seed)
+def random_ahead_trace(rng):
+    """A random trace with 4 look-ahead ids per token-layer, or None where it has one layer."""
     base = random_trace(rng)
     T, L, k = base.chunk.experts.shape
     E = base.meta.num_experts
     if L < 2:
+        return None
+    order = np.argsort(-rng.gumbel(size=(T, L, E)), axis=-1)[..., :4].astype(np.int16)
+    return ahead_trace(base.chunk.experts, order, num_experts=E)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_engines_agree_with_prefetch(seed):
+    """Every predictor in turn, with random prefetch options, against the reference."""
+    rng = np.random.default_rng(12 * 10**6 + seed)
+    source = random_ahead_trace(rng)
+    if source is None:
         return
-    scores = rng.gumbel(size=(T, L, E))
-    order = np.argsort(-scores, axis=-1)[..., :4].astype(np.int16)
-    source = ahead_trace(base.chunk.experts, order, num_experts=E)
+    L = source.meta.num_layers
     p = random_params(rng, source.meta)
     p.predictor = PREDICTORS[seed % len(PREDICTORS)]
     p.prefetch = "topp"
@@ -119,6 +126,29 @@ def test_engines_agree_with_prefetch(seed):
                      train_tokens=int(rng.integers(1, 12)), successors=int(rng.integers(1, 5)))
     p.substitute_by = "frequency"
     run_both(source, p, chunk_tokens=int(rng.choice([1, 4, 1000])))
+
+
+def test_lfu_with_background_arrivals_agrees():
+    """LFU tells a step's used residents by their last use also where experts arrive in the
+    background (an arrival not selected stays fresh): prefetches and admissions in the same runs,
+    against the reference; the runs reach selected arrivals (useful prefetches) and unselected
+    ones evicted unused (wasted admissions and prefetch bytes)."""
+    useful = wasted = 0
+    for seed in range(12):
+        rng = np.random.default_rng(13 * 10**6 + seed)
+        source = random_ahead_trace(rng)
+        if source is None:
+            continue
+        # fetch_all: the step's selections counted at its first arrival; rule015: before it
+        p = random_params(rng, source.meta, eviction="lfu", rule=str(rng.choice(["rule015", "fetch_all"])))
+        p.predictor, p.prefetch = str(rng.choice(["lookahead", "previous"])), "topp"
+        p.options.update(top_p=int(rng.integers(1, 5)), max_inflight_bytes=-1, cancel_stale=bool(rng.integers(2)),
+                         distance=1, train_tokens=int(rng.integers(1, 12)), successors=2)
+        p.beta = float(rng.choice([0.0, 0.3]))
+        r = run_both(source, p, chunk_tokens=int(rng.choice([1, 4, 1000])))
+        useful += r.useful_prefetches
+        wasted += r.wasted_admissions + r.wasted_prefetch_bytes
+    assert useful > 0 and wasted > 0
 
 
 def test_coactivation_trains_on_the_first_tokens_and_simulates_the_rest():

@@ -29,6 +29,8 @@ from simulator.engine.state import (
     BUDGET,
     BYTES,
     CLOCK,
+    FRESH,
+    FRESH_SELECTED,
     INC,
     MASS_STEPS,
     NO_STAMP,
@@ -80,7 +82,11 @@ PREFETCHES = True
 # false): it then passes NO_STAMP, and a victim need not be tested for a mark.
 UNMARKED_DECODE = False
 # Whether the eviction tells a step's used residents by their last use (KernelNeeds.step_marks):
-# its trims are passed the step (state.step_stamp) and no lookup is marked for them.
+# its trims are passed the step (state.step_stamp) and no lookup is marked for them. Before a
+# step's first background arrival, the selections' last use becomes the step (the arrival's trim
+# must not evict them, and a fresh one among them becomes state.FRESH_SELECTED); an arrival is
+# inserted (its last use: the step) and, after its own trim, FRESH_SELECTED if selected, else
+# FRESH, which the victim search reads as not used in the step.
 STEP_MARKS = False
 
 # lfu_decay multiplies frequencies by d once per group as a growing increment (inc /= d); past
@@ -222,6 +228,7 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             # the expert phase starts: background transfers completed by t1 become resident,
             # each admitted expert evicted after every other resident not selected in the step
             x, source = -1, 0
+            stored = False
             if BACKGROUND:
                 if link.qstate[Q_LEN] > 0:
                     advance_inline(core.resident, rc, link, t1, s)
@@ -233,23 +240,42 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                         if TRACK_FREQUENCY:
                             core.freq[y] += inc
                         core.mark[y] = stamp
+                        if STEP_MARKS:  # its last use, resident or not: the step
+                            eviction.on_use(core, ev, c, y, p, s)
+                            if core.fresh[y] == FRESH:  # kept by the trims, fresh until its hit
+                                core.fresh[y] = FRESH_SELECTED
                     counted = True
+                    stored = True
+                if STEP_MARKS and not stored:  # the selections' last use (the pass ran before)
+                    for j in range(K if decode else n_unique):
+                        y = ix(base + experts[ua, layer, j]) if decode else ix(core.uniq[j])
+                        eviction.on_use(core, ev, c, y, p, s)
+                        if core.fresh[y] == FRESH:
+                            core.fresh[y] = FRESH_SELECTED
+                    stored = True
                 lx = ix(c.layer_of[x])
                 if core.resident[x]:  # fetched meanwhile: the copy served nothing
                     wasted_background(rc, source, c.expert_bytes[lx])
                 else:
                     px = c.pool_of_layer[lx]
                     selected = core.mark[x] == stamp
-                    core.mark[x] = stamp
+                    if not STEP_MARKS:
+                        core.mark[x] = stamp
                     make_resident(core, c, x, lx, px)
                     if LIST_RESIDENTS:
                         list_resident(core, x, lx)
                     core.src[x] = source
-                    core.fresh[x] = 1
+                    if not STEP_MARKS:
+                        core.fresh[x] = FRESH
                     eviction.on_insert(core, ev, c, x, px, s)
                     if core.pools[px, BYTES] > core.pools[px, BUDGET]:
-                        _trim_step(core, ev, c, px, stamp)
-                    if not selected:  # it may serve as a substitute in this step
+                        _trim_step(core, ev, c, px, step_stamp(s) if STEP_MARKS else stamp)
+                    if STEP_MARKS:  # last used in the step: kept by its own trim, then fresh
+                        if not core.resident[x]:  # its own trim evicted it (all else was kept)
+                            wasted_background(rc, source, c.expert_bytes[lx])
+                        else:
+                            core.fresh[x] = FRESH_SELECTED if selected else FRESH
+                    elif not selected:  # it may serve as a substitute in this step
                         core.mark[x] = stamp - 1
                     rc[RunCount.BACKGROUND_ADMISSIONS] += 1
                     lc[lx, LayerCount.BACKGROUND_ADMISSIONS] += 1

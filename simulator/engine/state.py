@@ -37,13 +37,17 @@ N_ISTATE = 3
 # negative, so a victim search that tests them finds none marked, and one may skip the test
 # (simulator.engine.structures.list_victim: no load of the head's mark).
 NO_STAMP = -1
+# CoreState.fresh values: a background arrival not used yet; in the step-marks kernel
+# (KernelNeeds.step_marks) one selected in the current step, which the step's trims keep
+FRESH, FRESH_SELECTED = 1, 2
 
 
 @jit(allocates=False, inline=True)
 def step_stamp(s):
     """The stamp a trim passes where the eviction tells the residents used in step ``s`` by
-    their last use (``KernelNeeds.step_marks``: every use and insertion stores its step, and no
-    background arrival is inserted unused): ``-2 - s``, below NO_STAMP (``s = -2 - stamp``)."""
+    their last use (``KernelNeeds.step_marks``: every use and insertion stores its step; a
+    background arrival inserted and not used in the step is ``fresh``): ``-2 - s``, below
+    NO_STAMP (``s = -2 - stamp``)."""
     return -2 - s
 # CoreState.fstate[] entries: the clock, the frequency increment (lfu_decay)
 CLOCK, INC = 0, 1

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from simulator.engine.state import FRESH
 from simulator.jit import ix, jit
 
 # rows of Lists.link and Lists.ends
@@ -238,11 +239,12 @@ def heap_rebuild(h, c, p, key1, key2):
 
 
 @jit(allocates=False, inline=True)
-def _pop_unmarked(h, off, p, stamp, key1, key2, mark, bound):
-    """Pop pool p's entries in key order until one not marked ``stamp``; return it, or -1 when
-    the heap ran out or its least key is not before the key of ``bound`` (an expert outside the
-    heap; -1: no bound). The marked ones popped are set aside, in key order. Stale stored keys
-    at the top are refreshed and sifted down first."""
+def _pop_unmarked(h, off, p, stamp, key1, key2, mark, bound, fresh):
+    """Pop pool p's entries in key order until one not marked ``stamp``, or marked but
+    ``fresh[x] == FRESH`` (None: no such array); return it, or -1 when the heap ran out or its least key is
+    not before the key of ``bound`` (an expert outside the heap; -1: no bound). The marked ones
+    popped are set aside, in key order. Stale stored keys at the top are refreshed and sifted
+    down first."""
     u = ix(off)
     while h.count[p] > 0:
         top = h.items[u]
@@ -262,7 +264,7 @@ def _pop_unmarked(h, off, p, stamp, key1, key2, mark, bound):
             last = ix(off + n)
             _place(h, off, h.items[last], h.hkey1[last], h.hkey2[last], off)
             _sift_down(h, 0, off, n)
-        if mark[ix(top)] != stamp:
+        if mark[ix(top)] != stamp or (fresh is not None and fresh[ix(top)] == FRESH):
             return top
         h.aside[h.trim[0]] = top
         h.trim[0] += 1
@@ -279,7 +281,7 @@ def heap_victim(h, off, p, stamp, key1, key2, mark):
     key order), taken back as victims once the heap is empty, and the rest pushed back by
     :func:`heap_end_trim`.
     """
-    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, -1)
+    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, -1, None)
     if x >= 0:
         return x
     x = h.aside[h.trim[1]]
@@ -288,13 +290,13 @@ def heap_victim(h, off, p, stamp, key1, key2, mark):
 
 
 @jit(allocates=False, inline=True)
-def _sort_unmarked_first(held, off, n, key1, key2, mark, stamp):
-    """Move the entries of ``held[off : off + n]`` not marked ``stamp`` to its front, in key
-    order; return how many they are."""
+def _sort_unmarked_first(held, off, n, key1, key2, mark, stamp, fresh):
+    """Move the entries of ``held[off : off + n]`` not marked ``stamp`` (or marked but
+    ``fresh[x] == FRESH``, where not None) to its front, in key order; return how many they are."""
     m = 0
     for i in range(n):
         y = ix(held[ix(off + i)])
-        if mark[y] != stamp:
+        if mark[y] != stamp or (fresh is not None and fresh[y] == FRESH):
             held[ix(off + i)] = held[ix(off + m)]
             j = m
             k1, k2 = key1[y], key2[y]
@@ -310,23 +312,24 @@ def _sort_unmarked_first(held, off, n, key1, key2, mark, stamp):
 
 
 @jit(allocates=False, inline=True)
-def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held):
+def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held, fresh):
     """:func:`heap_victim` for a pool whose residents are in the heap or *held* out of it:
     ``held[off : off + n_held[p]]``, read with their current keys. The victim is the least key
     of the unmarked residents of both (the trim's first search sorts the unmarked held ones to
-    the front); once none is left, the least of the set-aside and the held ones. Finish the
-    trim with :func:`heap_end_trim_held`."""
+    the front); once none is left, the least of the set-aside and the held ones. ``fresh``:
+    None, or ``core.fresh``, whose entries equal to ``state.FRESH`` count as unmarked (the
+    step-marks kernel's arrivals not selected and not used in the step). Finish the trim with :func:`heap_end_trim_held`."""
     if h.trim[2] < 0:
-        h.trim[2] = _sort_unmarked_first(held, off, n_held[p], key1, key2, mark, stamp)
+        h.trim[2] = _sort_unmarked_first(held, off, n_held[p], key1, key2, mark, stamp, fresh)
     i = h.trim[3]
     if i < h.trim[2]:
         y = held[ix(off + i)]
-        x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, y)
+        x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, y, fresh)
         if x >= 0:
             return x
         h.trim[3] = i + 1
         return y
-    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, -1)
+    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, -1, fresh)
     if x >= 0:
         return x
     n = n_held[p]

@@ -166,9 +166,9 @@ def kernel_needs(params, layout=None) -> KernelNeeds:
       (``SCANS_LAYER_RESIDENTS``);
     - ``background``: an admission or prefetch variant can queue background transfers;
     - ``prefetches``: a prefetch variant can (else no queued transfer is a late prefetch);
-    - ``step_marks``: the eviction stores each use's step (``MARKS_BY_LAST_USE``) and nothing
-      arrives in the background (an arrival is inserted, then left unused for the step): the
-      residents a step used are those last used in it, so lookups need no mark;
+    - ``step_marks``: the eviction stores each use's step (``MARKS_BY_LAST_USE``): the residents
+      a step used are those last used in it, so lookups need no mark (a background arrival,
+      inserted in the step and not selected, is told apart by ``core.fresh``);
     - ``leaves_misses``: the miss rule can leave a miss to the miss action (else the kernel
       fetches every miss without reading its gate);
     - ``lookup_marks``: without the marking pass, whether the trim still reads the marks that
@@ -198,7 +198,7 @@ def kernel_needs(params, layout=None) -> KernelNeeds:
     # a variant that does not say keeps both (the safe side)
     marks = substitutes and getattr(substitute, "READS_SELECTION_MARKS", True)
     step_last = getattr(reg["eviction"][names["eviction"]], "STEP_USES_LAST", False)
-    step_marks = getattr(reg["eviction"][names["eviction"]], "MARKS_BY_LAST_USE", False) and not background
+    step_marks = getattr(reg["eviction"][names["eviction"]], "MARKS_BY_LAST_USE", False)
     lookup_marks = not step_marks and not (step_last and layout is not None
                                            and _pools_hold_a_step(params, layout))
     return KernelNeeds(frequency=frequency, selections=selects or marks,

@@ -27,9 +27,12 @@ step ordinal):
 Optional flags: ``STEP_USES_LAST`` (a used resident becomes the last victim, as in LRU: where
 every pool holds a step, a trim never reaches one and is passed
 :data:`simulator.engine.state.NO_STAMP`); ``MARKS_BY_LAST_USE`` (``on_use`` and ``on_insert``
-store the step: without background arrivals the kernel marks no lookup and passes a negative
-stamp below NO_STAMP, :func:`simulator.engine.state.step_stamp`, and the victim search tells used
-residents by their last use).
+store the step and nothing else: the kernel marks no lookup and passes a negative stamp below
+NO_STAMP, :func:`simulator.engine.state.step_stamp`, and the victim search tells used residents
+by their last use, less those whose ``core.fresh`` is ``state.FRESH``: background arrivals not
+selected in the step and not used. Before a step's first background arrival the kernel calls
+``on_use`` for each of the step's selections, resident or not, so that the arrival's trim keeps
+them; a later insertion stores its own step).
 
 Reference twin ``Reference(sim)`` (plain Python, ``sim`` the reference engine): ``on_insert(x,
 step)``, ``on_use(x, step)``, ``on_select(x, layer, step, token, next_group)`` (``token``: the

@@ -10,10 +10,11 @@ down. A trim sorts the unmarked held ones (a handful) and takes victims from the
 whichever key is less; at its end it pushes the survivors into the heap but a few of the least
 keys that are still before the heap's top (structures.heap_end_trim_held).
 
-Every use and insertion stores its step in ``last_use``, so where nothing arrives in the
-background the residents used in a step are exactly those last used in it: the kernel then marks
-no lookup and passes the trim the step (``simulator.engine.state.step_stamp``; KernelNeeds.step_marks),
-and the victim search reads ``last_use`` (already one of its keys) instead of the marks.
+Every use and insertion stores its step in ``last_use``, so the residents used in a step are
+those last used in it, less the background arrivals inserted in it and not used (``core.fresh``):
+the kernel marks no lookup and passes the trim the step (``simulator.engine.state.step_stamp``;
+KernelNeeds.step_marks), and the victim search reads ``last_use`` (already one of its keys) and,
+for those last used in the step, ``fresh``, instead of the marks.
 """
 from __future__ import annotations
 
@@ -87,9 +88,11 @@ def heap_keys(core, st):
 @jit(allocates=False, inline=True)
 def victim(core, st, c, p, stamp):
     # step_stamp(s): the residents used in step s are those last used in it
-    marks, stamp = (st.last_use, -2 - stamp) if stamp < NO_STAMP else (core.mark, stamp)
-    return heap_victim_held(st.heap, c.pool_offset[p], p, stamp, core.freq, st.last_use, marks,
-                            st.held, st.n_held)
+    if stamp < NO_STAMP:
+        return heap_victim_held(st.heap, c.pool_offset[p], p, -2 - stamp, core.freq, st.last_use,
+                                st.last_use, st.held, st.n_held, core.fresh)
+    return heap_victim_held(st.heap, c.pool_offset[p], p, stamp, core.freq, st.last_use, core.mark,
+                            st.held, st.n_held, None)
 
 
 @jit(allocates=False, inline=True)
