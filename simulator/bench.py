@@ -202,7 +202,8 @@ NOTES = """\
   step used (no background arrivals). Side by side (4acfb91 against 25af103, 4 processes per tree
   of 7 rounds, each policy over the minimal kernel): fetch_all + LFU 2.83-3.17x -> 2.40-2.55x,
   rule015 + LFU 2.19-2.38x -> 1.94-2.15x, quality_first 3.44-3.81x -> 3.22-3.80x (it admits in
-  the background, so it keeps its marks), fetch_all + LRU 1.40-1.47x -> 1.36-1.45x and rule015 +
+  the background, so it kept its marks until 687815a: *Step marks with background arrivals*
+  below), fetch_all + LRU 1.40-1.47x -> 1.36-1.45x and rule015 +
   LRU 1.93-2.05x -> 1.83-1.99x. What quality_first pays beyond rule015 + LFU is its background
   admission (74,015 arrivals on this trace, each inserted, trimmed for and mostly evicted again
   unused: 42,523 wasted): with beta = inf it runs at the speed of rule015 + LFU.
@@ -285,6 +286,27 @@ NOTES = """\
   Mixtral's global LRU against libCacheSim, alternating processes: 3.03x and 2.98x -> 3.57x and
   3.56x. Dropping the fetch count's update as well gained nothing more (fetch_all + LRU
   1.13-1.16x -> 1.16-1.18x over the minimal kernel, 3 alternating processes of 9 rounds).
+- **Step marks with background arrivals.** quality_first without admissions (beta = 1e9) ran
+  28 % slower than rule015 + LFU with the same hits (39.9 against 31.1 ms, 4,096 tokens): the
+  cost of a kernel that admits in the background even where nothing arrives. Knock-outs put
+  most of it in the marks on every lookup (37.6 ms without them), little in the use of
+  arrivals, the admission's accumulator or the queue's per-step test. LFU now tells a step's
+  used residents by their last use also where experts arrive in the background (687815a): an
+  arrival is inserted with the step as its last use, kept by its own trim, then left
+  `state.FRESH` unless selected, and the victim search reads `core.fresh` for the residents last
+  used in the step; before a step's first arrival the selections' last use becomes the step
+  (stored without a test of residence: a test per selection cost more than the stores it
+  saved, quality_first 2.93-2.98x -> 2.75-2.80x the minimal kernel without it). Side by side
+  (a826f5c against the change, Qwen3-Next, 4,096 tokens, 5 alternating pairs of processes of 9
+  rounds, medians over the minimal kernel): quality_first 2.90x -> 2.79x (processes: 2.88-3.12x
+  -> 2.75-3.03x), speed_first 2.86x -> 2.77x, fetch_all + LFU 2.46x -> 2.41x; fetch_all + LRU
+  unchanged. A gain of 3-4 %: the share of quality_first moves from about 0.39x to 0.41x of
+  fetch_all + LRU in these rounds, not yet measured by `make bench`. A first version searched
+  victims by marks or by last use in two inlined copies, and a test run spent minutes in
+  Numba's inlining of the LFU kernels; the search is one copy again (the kernel always passes
+  LFU the step), and the quality_first and fetch_all + LFU kernels compile in 53 and 43 s, as
+  before the change (52 and 41 s). Same results in the engines' equivalence, eviction and
+  prefetch tests.
 - **Trace cache size on every shape.** A copy holds the float16 logits (2 B per expert and
   token-layer), the selections (2 B id and 4 B gate per rank) and, once a logit-substituting
   policy ran, the top-R order (2 B per entry): 1.18x the logits at 512 experts and top-10. At

@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.engine.state import NO_STAMP
 from simulator.engine.structures import (
     Heap,
     heap_end_trim_held,
@@ -87,12 +86,10 @@ def heap_keys(core, st):
 
 @jit(allocates=False, inline=True)
 def victim(core, st, c, p, stamp):
-    # step_stamp(s): the residents used in step s are those last used in it
-    if stamp < NO_STAMP:
-        return heap_victim_held(st.heap, c.pool_offset[p], p, -2 - stamp, core.freq, st.last_use,
-                                st.last_use, st.held, st.n_held, core.fresh)
-    return heap_victim_held(st.heap, c.pool_offset[p], p, stamp, core.freq, st.last_use, core.mark,
-                            st.held, st.n_held, None)
+    # MARKS_BY_LAST_USE: the kernel passes step_stamp(s), and the residents used in step s are
+    # those last used in it, less the arrivals still state.FRESH
+    return heap_victim_held(st.heap, c.pool_offset[p], p, -2 - stamp, core.freq, st.last_use,
+                            st.last_use, st.held, st.n_held, core.fresh)
 
 
 @jit(allocates=False, inline=True)
