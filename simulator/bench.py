@@ -163,10 +163,13 @@ NOTES = """\
   1.33x, 0.42x, 0.71x and 0.53x, all three met; at 86a554a, with the counts derived after the run
   (below), at 1.14x, 0.38x, 0.62x and 0.46x, none met, though the three policies themselves ran
   as fast as before or faster: quality_first 36.1 -> 38.0, rule015 + LRU 60.6 -> 62.9, fetch_all +
-  LFU 45.5 -> 46.5 M lookups/s, fetch_all + LRU 85.6 -> 101.0). Where fetch_all + LRU runs at
-  f times its minimal kernel, rule015 + LRU meets 0.7x only within f x m / 0.7 of its own
-  minimal kernel (m: the minimal kernels' share, 0.64x when first measured, 0.60x in the runs
-  since): 1.37x at f = 1.5 and m = 0.64, 1.24x at f = 1.36; at f = 1.14 and m = 0.60, 0.98x:
+  LFU 45.5 -> 46.5 M lookups/s, fetch_all + LRU 85.6 -> 101.0); at 6f46eb0, with LFU's step
+  marks where experts arrive in the background (below), at 1.13x, 0.40x, 0.63x and 0.48x:
+  quality_first 38.0 -> 40.6, rule015 + LRU 62.9 -> 63.2, fetch_all + LFU 46.5 -> 48.0 M
+  lookups/s, fetch_all + LRU 101.0 -> 100.3; quality_first's share is met again. Where
+  fetch_all + LRU runs at f times its minimal kernel, rule015 + LRU meets 0.7x only within
+  f x m / 0.7 of its own minimal kernel (m: the minimal kernels' share, 0.64x when first
+  measured, 0.60x in the runs since): 1.37x at f = 1.5 and m = 0.64, 1.24x at f = 1.36; at f = 1.14 and m = 0.60, 0.98x:
   rule015 + LRU would have to run faster than the least code that does its work (it runs at
   1.09x of it), so the 0.7x share now asks for a cheaper substitution, not a leaner engine.
   What a substituting policy pays beyond a lookup: the gate and the miss rule per miss, the
@@ -301,7 +304,8 @@ NOTES = """\
   rounds, medians over the minimal kernel): quality_first 2.90x -> 2.79x (processes: 2.88-3.12x
   -> 2.75-3.03x), speed_first 2.86x -> 2.77x, fetch_all + LFU 2.46x -> 2.41x; fetch_all + LRU
   unchanged. A gain of 3-4 %: the share of quality_first moves from about 0.39x to 0.41x of
-  fetch_all + LRU in these rounds, not yet measured by `make bench`. A first version searched
+  fetch_all + LRU in these rounds, and `make bench` at 6f46eb0 gave 0.40x (38.0 -> 40.6 M
+  lookups/s; fetch_all + LFU 46.5 -> 48.0 M lookups/s, 0.46x -> 0.48x). A first version searched
   victims by marks or by last use in two inlined copies, and a test run spent minutes in
   Numba's inlining of the LFU kernels; the search is one copy again (the kernel always passes
   LFU the step), and the quality_first and fetch_all + LFU kernels compile in 53 and 43 s, as
