@@ -61,10 +61,10 @@ from simulator.metrics import (
 from simulator.policies import KernelNeeds, chosen, kernel_needs, modules
 from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 
-# The policy modules the kernels call, and the trim step; bound per compiled kernel by
+# The policy modules the kernels call, and the kernel's inlined steps; bound per compiled kernel by
 # simulator.jit.specialise.
 eviction = miss_rule = miss_action = substitute = admission = predictor = prefetch = None
-_trim_step = _fetch_step = None
+_trim_step = _fetch_step = _use_step = None
 # What the chosen variants read (simulator.policies.KernelNeeds), bound per kernel: whether
 # selections are counted in core.freq, whether a decode step runs its selection pass before its
 # rank loop (else the pass runs at the step's first background arrival, if one comes, and
@@ -151,6 +151,14 @@ def _fetch(core, c, link, ev, x, layer, p, s, t1, n_fetch):
         list_resident(core, x, layer)
     eviction.on_insert(core, ev, c, x, p, s)
     return n_fetch + 1
+
+
+def _use(core, ev, c, y, p, s):
+    """Step marks: y is selected in step s, resident or not; its last use is the step, and a
+    fresh arrival kept by the trims stays fresh until its hit, now as a selected one."""
+    eviction.on_use(core, ev, c, y, p, s)
+    if core.fresh[y] == FRESH:
+        core.fresh[y] = FRESH_SELECTED
 
 
 def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
@@ -240,18 +248,14 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                         if TRACK_FREQUENCY:
                             core.freq[y] += inc
                         core.mark[y] = stamp
-                        if STEP_MARKS:  # its last use, resident or not: the step
-                            eviction.on_use(core, ev, c, y, p, s)
-                            if core.fresh[y] == FRESH:  # kept by the trims, fresh until its hit
-                                core.fresh[y] = FRESH_SELECTED
+                        if STEP_MARKS:
+                            _use_step(core, ev, c, y, p, s)
                     counted = True
                     stored = True
                 if STEP_MARKS and not stored:  # the selections' last use (the pass ran before)
                     for j in range(K if decode else n_unique):
                         y = ix(base + experts[ua, layer, j]) if decode else ix(core.uniq[j])
-                        eviction.on_use(core, ev, c, y, p, s)
-                        if core.fresh[y] == FRESH:
-                            core.fresh[y] = FRESH_SELECTED
+                        _use_step(core, ev, c, y, p, s)
                     stored = True
                 lx = ix(c.layer_of[x])
                 if core.resident[x]:  # fetched meanwhile: the copy served nothing
@@ -436,7 +440,8 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
     bound["UNMARKED_DECODE"] = not needs.lookup_marks and not needs.step_marks
     bound["STEP_MARKS"] = bool(needs.step_marks)
     steps = {"_trim_step": specialise(_trim, bound, inline=True),
-             "_fetch_step": specialise(_fetch, bound, inline=True)}
+             "_fetch_step": specialise(_fetch, bound, inline=True),
+             "_use_step": specialise(_use, bound, inline=True)}
     return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))
 
 
