@@ -750,6 +750,32 @@ def test_bench_rounds_time_a_self_timed_pass_by_its_own_measure():
     assert 0.01 <= medians["plain"] < 0.05
 
 
+def test_bench_rounds_alternate_their_order_when_asked():
+    """With ``alternate``, every other round runs the passes in the reverse order, so that a
+    drift within a round or what the pass before leaves behind favours none of them; each pass's
+    times stay its own, in the order of the rounds."""
+    from traces.capture.bench import Timed, _timed_rounds
+
+    calls = []
+
+    def named(name):
+        def fn():
+            calls.append(name)
+            return Timed(len(calls), name)  # its position among all the calls
+        return fn
+
+    fns = {name: named(name) for name in ("forward", "hooks", "capture")}
+    _, last, rounds, _ = _timed_rounds(fns, repeats=3, alternate=True)
+    assert calls == ["forward", "hooks", "capture",  # warm-up
+                     "forward", "hooks", "capture", "capture", "hooks", "forward",
+                     "forward", "hooks", "capture"]
+    assert rounds["forward"] == [4, 9, 10] and rounds["capture"] == [6, 7, 12]
+    assert last == {"forward": "forward", "hooks": "hooks", "capture": "capture"}
+    calls.clear()
+    _timed_rounds(fns, repeats=2)  # the default: the same order every round
+    assert calls[3:] == ["forward", "hooks", "capture"] * 2
+
+
 def test_the_writers_auto_unit_is_one_forward_within_1_16_to_1_2_of_a_row_group(monkeypatch):
     from traces.capture import capture as C
     from traces.capture.config import GenerateConfig, InputConfig

@@ -3,7 +3,8 @@
 Three variants over the same windows and batches: ``forward`` (the model alone), ``hooks``
 (router hooks, NLL, top-R selection and copies to the host; rows discarded) and ``capture``
 (hooks plus the capture's trace writer, file closed). After one warm-up pass of each, they are
-timed in ``repeats`` rounds (forward, hooks, capture, then again); each one's median counts.
+timed in ``repeats`` rounds (forward, hooks, capture; then capture, hooks, forward; and so on);
+each one's median counts.
 The capture pass is also reported without its close (encoding the units still pending when the
 last forward is done): that tail is fixed per capture, so a long capture's overhead tends to the
 loop's, as long as the loop never waits for the writer. The capture settings are moe-capture's defaults unless given
@@ -65,14 +66,17 @@ class Timed(NamedTuple):
     result: object
 
 
-def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict[str, list[float]], dict]:
+def _timed_rounds(fns: dict, repeats: int, alternate: bool = False,
+                  ) -> tuple[dict[str, float], dict, dict[str, list[float]], dict]:
     """Median seconds of each of ``fns`` over ``repeats`` rounds (one call of each per round, in
     turn), after a warm-up call of each; and each function's last result. A function that returns
     :class:`Timed` is timed by it. Rounds, not one function's repeats back to back: a host whose
     speed drifts over the minutes of a run then moves every variant alike instead of showing up
-    as one variant's overhead. Third: each function's timed rounds in seconds (the drift).
-    Fourth: each function's median CPU seconds per call, of the calling thread (``main_thread``)
-    and of the process's other threads (``other_threads``)."""
+    as one variant's overhead. ``alternate``: every other round runs them in the reverse order
+    (forward, hooks, capture; then capture, hooks, forward), so that neither a drift within a
+    round nor what the call before leaves behind favours one of them. Third: each function's
+    timed rounds in seconds (the drift). Fourth: each function's median CPU seconds per call, of
+    the calling thread (``main_thread``) and of the process's other threads (``other_threads``)."""
     def call(fn) -> tuple[float, object]:
         start = time.perf_counter()
         out = fn()
@@ -81,8 +85,8 @@ def _timed_rounds(fns: dict, repeats: int) -> tuple[dict[str, float], dict, dict
     results = {name: call(fn)[1] for name, fn in fns.items()}  # warm-up: kernels, allocator, first writer
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[tuple[float, float, float]]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for r in range(repeats):
+        for name, fn in (reversed(fns.items()) if alternate and r % 2 else fns.items()):
             process, thread, children = time.process_time(), time.thread_time(), _children_cpu()
             seconds, results[name] = call(fn)
             times[name].append(seconds)
@@ -158,7 +162,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     modes.update({_hooks_mode(s): (lambda s=s: hooks(s)) for s in streams})
     modes.update({_mode(w, s): (lambda w=w, s=s: capture(w, s)) for w, s in variants})
     with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all passes alike
-        t, last, rounds, cpu = _timed_rounds(modes, repeats)
+        t, last, rounds, cpu = _timed_rounds(modes, repeats, alternate=True)
     return [_overhead(cfg, w, s, tokens, t, rounds, cpu, last[_mode(w, s)], units[w, s], closes[w, s],
                       opens[w, s], cpu_of_model) for w, s in variants]
 
