@@ -199,8 +199,11 @@ NOTES = """\
   meets whose keys rose) gave the heap's hits at about its speed: fetch_all + LFU 63 -> 66 ms,
   quality_first 66 -> 68 ms, rule015 + LFU 44 -> 47 ms (9 rounds). Both dropped: the order's cost
   is the same work in another place. Nor is it the working set: the ratio is the same at 128
-  experts as at 512 (0.347x and 0.34x in the table above), with four times less state per layer. Then two passes of work fewer per lookup, with the
-  same order: a step's frequencies counted as its lookups come (no selection pass where nothing
+  experts as at 512 (0.347x and 0.34x in the table above), with four times less state per
+  layer. Nor the number of held residents a trim leaves out of the heap
+  (`structures.KEEP_HELD`, 4): side by side (3 processes per tree of 7 rounds, fetch_all + LFU
+  over the minimal kernel) 2 ran slower (2.42-2.44x -> 2.51-2.54x) and 8 no faster
+  (2.23-2.40x -> 2.38-2.42x). Then two passes of work fewer per lookup, with the same order: a step's frequencies counted as its lookups come (no selection pass where nothing
   reads them before), and no marks where the heap's own last-use key tells which residents the
   step used (no background arrivals). Side by side (4acfb91 against 25af103, 4 processes per tree
   of 7 rounds, each policy over the minimal kernel): fetch_all + LFU 2.83-3.17x -> 2.40-2.55x,
