@@ -241,10 +241,10 @@ def heap_rebuild(h, c, p, key1, key2):
 @jit(allocates=False, inline=True)
 def _pop_unmarked(h, off, p, stamp, key1, key2, mark, bound, fresh):
     """Pop pool p's entries in key order until one not marked ``stamp``, or marked but
-    ``fresh[x] == FRESH`` (None: no such array); return it, or -1 when the heap ran out or its least key is
-    not before the key of ``bound`` (an expert outside the heap; -1: no bound). The marked ones
-    popped are set aside, in key order. Stale stored keys at the top are refreshed and sifted
-    down first."""
+    ``fresh[x] == FRESH`` (None: no such array); return it, or -1 when the heap ran out or its
+    least key is not before the key of ``bound`` (an expert outside the heap; -1: no bound). The
+    marked ones popped are set aside, in key order. Stale stored keys at the top are refreshed
+    and sifted down first."""
     u = ix(off)
     while h.count[p] > 0:
         top = h.items[u]
@@ -318,7 +318,8 @@ def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held, fresh):
     of the unmarked residents of both (the trim's first search sorts the unmarked held ones to
     the front); once none is left, the least of the set-aside and the held ones. ``fresh``:
     None, or ``core.fresh``, whose entries equal to ``state.FRESH`` count as unmarked (the
-    step-marks kernel's arrivals not selected and not used in the step). Finish the trim with :func:`heap_end_trim_held`."""
+    step-marks kernel's arrivals not selected and not used in the step). Finish the trim with
+    :func:`heap_end_trim_held`."""
     if h.trim[2] < 0:
         h.trim[2] = _sort_unmarked_first(held, off, n_held[p], key1, key2, mark, stamp, fresh)
     i = h.trim[3]
