@@ -297,11 +297,12 @@ def test_top_r_cost_compares_the_capture_selection_with_the_float32_yardstick(mo
     fig = top_r_cost.measure("cpu", repeats=2, shapes=(shape,))
     (row,) = fig["shapes"]
     assert row["equal"] and row["format_equal"] and row["float16_ms"] > 0 and row["float32_ms"] > 0
+    assert row["kernel_ms"] is None  # no GPU: the kernel is neither timed nor compared
     # a float16 selection that differs from the yardstick's and the format's is reported as such
-    def flipped(logits, experts, r, score_dtype=torch.float16):
-        return top_r_logits(logits.flip(-1) if score_dtype == torch.float16 else logits, experts, r, score_dtype)
+    def flipped(logits, experts, r):
+        return top_r_logits(logits.flip(-1), experts, r, kernel=False)
 
-    monkeypatch.setattr(top_r_cost, "top_r_logits", flipped)
+    monkeypatch.setattr(top_r_cost, "float16_sorts", flipped)
     (row,) = top_r_cost.measure("cpu", repeats=1, shapes=(shape,))["shapes"]
     assert not row["equal"] and not row["format_equal"]
 
@@ -661,13 +662,34 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         [" 1 dispatcher, 30-token units, rows copied, recording on the main stream ", " 1 "]]
 
 
+def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_path, capsys):
+    from traces.capture import bench
+
+    config = _tiny_model_dir(tmp_path)
+    out = tmp_path / "bench.json"
+    bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
+                "--batch-sizes", "4", "--repeats", "2", "--device", "cpu", "--dtype", "float32", "--writers", "1",
+                "--writer", "threads,dispatcher", "--top-r-kernel", "1,0", "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["writer"], r["top_r_kernel"]) for r in runs] == [
+        ("threads", True), ("threads", False), ("dispatcher", True), ("dispatcher", False)]
+    assert len({tuple(r["rounds_s"]["forward"]) for r in runs}) == 1  # one forward for all
+    # a hooks pass per kernel setting, shared by the writers; a capture pass per variant
+    hooks = {r["top_r_kernel"]: tuple(r["rounds_s"]["hooks"]) for r in runs}
+    assert all(tuple(r["rounds_s"]["hooks"]) == hooks[r["top_r_kernel"]] for r in runs) and len(set(hooks.values())) == 2
+    assert len({tuple(r["rounds_s"]["capture"]) for r in runs}) == 4
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
+    assert [row.endswith("top-R by sorts") for row in (r.split("|")[3].strip() for r in rows)] == [False, True] * 2
+
+
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
                                              (["--repeats", "0"], "--repeats 0: rounds must be at least 1"),
                                              (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers"),
                                              (["--writers", "4,x"], "--writers 4,x: give whole numbers"),
                                              (["--shared-rows", "1,yes"], "--shared-rows 1,yes: give 1 or 0"),
                                              (["--recording-stream", "side,both"],
-                                              "--recording-stream both is not valid")])
+                                              "--recording-stream both is not valid"),
+                                             (["--top-r-kernel", "1,yes"], "--top-r-kernel 1,yes: give 1 or 0")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
     from traces.capture import bench
 

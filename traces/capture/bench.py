@@ -108,12 +108,14 @@ def _children_cpu() -> float:
 
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
-                     repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = ()) -> list[dict]:
+                     repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = (),
+                     kernels: tuple[bool, ...] = ()) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
-    in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``), and
-    ``streams``: with each of these recording streams (default: ``cfg.recording_stream``), all in
-    the same rounds, side by side; one result per writer and stream, the forward shared, the hooks
-    shared by the writers of a stream."""
+    in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``),
+    ``streams``: with each of these recording streams (default: ``cfg.recording_stream``), and
+    ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), all in the same
+    rounds, side by side; one result per writer, stream and kernel setting, the forward shared, the
+    hooks shared by the writers of a recording (stream and kernel setting)."""
     from traces.capture.capture import (
         batch_tokens,
         build_meta,
@@ -127,11 +129,15 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     tokens = sum(len(w.tokens) for w in windows)
     probs = router_returns_probabilities(model, sites)
     writers = tuple(writers) or (cfg.writer,)
-    streams = tuple(streams) or (cfg.recording_stream,)
-    variants = [(w, s) for w in writers for s in streams]
+    recordings = [(s, k) for s in tuple(streams) or (cfg.recording_stream,)
+                  for k in tuple(kernels) or (cfg.top_r_kernel,)]
+    variants = [(w, *rec) for w in writers for rec in recordings]
 
-    def hooks(stream: str) -> dict:
-        return capture_windows(model, sites, windows, replace(cfg, recording_stream=stream), lambda rows: None,
+    def recording(stream: str, kernel: bool) -> CaptureConfig:
+        return replace(cfg, recording_stream=stream, top_r_kernel=kernel)
+
+    def hooks(stream: str, kernel: bool) -> dict:
+        return capture_windows(model, sites, windows, recording(stream, kernel), lambda rows: None,
                                logits_are_probs=probs)
 
     # per variant and capture pass: the loop's end to the file closed, the start to the writer open
@@ -140,7 +146,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     opens: dict[tuple, list[float]] = {v: [] for v in variants}
     units: dict[tuple, list[int]] = {v: [] for v in variants}
 
-    def capture(writer: str, stream: str) -> Timed:
+    def capture(writer: str, stream: str, kernel: bool) -> Timed:
         """Timed from the start to the file closed: removing the file after it (a 131,072-token
         trace of the 30B shape is 1.4 GB of page cache) is no part of a capture."""
         start = time.perf_counter()
@@ -148,37 +154,43 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         with tempfile.TemporaryDirectory() as tmp:
             with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, writer, cfg.unit_tokens,
                              batch_tokens(cfg)) as w:
-                opens[writer, stream].append(time.perf_counter() - start)
-                units[writer, stream].append(w.unit_tokens)
-                stats = capture_windows(model, sites, windows, replace(cfg, recording_stream=stream),
+                opens[writer, stream, kernel].append(time.perf_counter() - start)
+                units[writer, stream, kernel].append(w.unit_tokens)
+                stats = capture_windows(model, sites, windows, recording(stream, kernel),
                                         lambda rows: w.write(**rows.columns()), logits_are_probs=probs,
                                         block=w.block if cfg.shared_rows else None)
                 end = time.perf_counter()
             closed = time.perf_counter()
-            closes[writer, stream].append(closed - end)
+            closes[writer, stream, kernel].append(closed - end)
         return Timed(closed - start, stats)
 
     modes = {"forward": lambda: _forward_only(model, windows, cfg.batch_size)}
-    modes.update({_hooks_mode(s): (lambda s=s: hooks(s)) for s in streams})
-    modes.update({_mode(w, s): (lambda w=w, s=s: capture(w, s)) for w, s in variants})
+    modes.update({_hooks_mode(*rec): (lambda rec=rec: hooks(*rec)) for rec in recordings})
+    modes.update({_mode(*v): (lambda v=v: capture(*v)) for v in variants})
     with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all passes alike
         t, last, rounds, cpu = _timed_rounds(modes, repeats, alternate=True)
-    return [_overhead(cfg, w, s, tokens, t, rounds, cpu, last[_mode(w, s)], units[w, s], closes[w, s],
-                      opens[w, s], cpu_of_model) for w, s in variants]
+    return [_overhead(cfg, v, tokens, t, rounds, cpu, last[_mode(*v)], units[v], closes[v], opens[v], cpu_of_model)
+            for v in variants]
 
 
-def _mode(writer: str, stream: str) -> str:
-    return f"capture ({writer}, recording on the {stream} stream)"
+def _recording(stream: str, kernel: bool) -> str:
+    return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts")
 
 
-def _hooks_mode(stream: str) -> str:
-    return f"hooks (recording on the {stream} stream)"
+def _mode(writer: str, stream: str, kernel: bool) -> str:
+    return f"capture ({writer}, {_recording(stream, kernel)})"
 
 
-def _overhead(cfg: CaptureConfig, writer: str, stream: str, tokens: int, t: dict, rounds: dict, cpu: dict,
+def _hooks_mode(stream: str, kernel: bool) -> str:
+    return f"hooks ({_recording(stream, kernel)})"
+
+
+def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool], tokens: int, t: dict, rounds: dict, cpu: dict,
               stats: dict, units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
-    """One variant's result of :func:`measure_overhead`, its modes named ``hooks`` and ``capture``."""
-    mode, hooks = _mode(writer, stream), _hooks_mode(stream)
+    """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel),
+    its modes named ``hooks`` and ``capture``."""
+    writer, stream, kernel = variant
+    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel)
     t_fwd, t_hooks, t_cap = t["forward"], t[hooks], t[mode]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
@@ -191,6 +203,7 @@ def _overhead(cfg: CaptureConfig, writer: str, stream: str, tokens: int, t: dict
         "writers": _workers(cfg),
         "writer": writer,
         "recording_stream": stream,
+        "top_r_kernel": kernel,  # asked for: it runs on a GPU with Triton and top-R logits
         "unit_tokens": units[-1],
         "model_cpu": cpu_of_model,
         "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
@@ -254,7 +267,7 @@ def overhead_table(bench: dict) -> list[str]:
         if "shared_rows" in r:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
-            encoders += f", recording on the {r['recording_stream']} stream"
+            encoders += f", {_recording(r['recording_stream'], r.get('top_r_kernel', True))}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
@@ -305,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recording-stream", default=defaults.recording_stream,
                    help=f"where the recording's device work runs: {', '.join(RECORDING_STREAMS)}; comma-separated "
                         f"to compare them in the same rounds (default: {defaults.recording_stream})")
+    p.add_argument("--top-r-kernel", default="1" if defaults.top_r_kernel else "0",
+                   help="1: the top-R logits selected by the Triton kernel where it runs (moe-capture's "
+                        "top_r_kernel), 0: by two sorts; comma-separated to compare them in the same rounds")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
@@ -319,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     units, encoders = _counts(p, "--unit-tokens", args.unit_tokens), _counts(p, "--writers", args.writers)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
-    pins, shares = args.pin_threads.split(","), args.shared_rows.split(",")
-    for flag, values in (("--pin-threads", pins), ("--shared-rows", shares)):
+    pins, shares, kernels = args.pin_threads.split(","), args.shared_rows.split(","), args.top_r_kernel.split(",")
+    for flag, values in (("--pin-threads", pins), ("--shared-rows", shares), ("--top-r-kernel", kernels)):
         if any(x not in ("0", "1") for x in values):
             p.error(f"{flag} {','.join(values)}: give 1 or 0, comma-separated")
 
@@ -346,9 +362,10 @@ def main(argv: list[str] | None = None) -> None:
                       lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window),
                       pin_threads=pin == "1", shared_rows=share == "1")
         for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
-                                  tuple(args.recording_stream.split(","))):
+                                  tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels)):
             results["runs"].append(r)
-            print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
+            print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} "
+                  f"top-R kernel {int(r['top_r_kernel'])} unit {r['unit_tokens']} batch {bs} shared rows {share} "
                   f"model's CPU "
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
                   f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from traces.atomic import remove_orphans
+from traces.capture import top_r
 from traces.capture.config import RECORDING_STREAMS, WRITERS, CaptureConfig
 from traces.capture.cores import isolated, leave_model_core
 from traces.capture.dispatch import DispatchedTraceWriter
@@ -291,15 +292,21 @@ def _sort_descending(values: torch.Tensor) -> torch.Tensor:
 
 
 def top_r_logits(logits: torch.Tensor, experts: torch.Tensor, r: int,
-                 score_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+                 score_dtype: torch.dtype = torch.float16, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-R logits a trace stores, selected on the device exactly as ``traces.format`` does.
 
     ``logits`` float16[n, L, E], ``experts`` int64[n, L, k] -> (float16[n, L, R] descending,
     int16[n, L, R] their ids): the R highest, the selected experts always among them.
 
-    The scores stay float16 (``score_dtype``; float32 holds the same values in the same order):
-    the sort over all E takes about 30 % less device time on 16-bit keys (docs/CAPTURE.md).
+    With ``kernel`` (the capture's ``top_r_kernel``), on a GPU with Triton, one kernel does it
+    (:mod:`traces.capture.top_r`); elsewhere two stable sorts. Their scores stay float16
+    (``score_dtype``; float32 holds the same values in the same order): the sort over all E takes
+    about 30 % less device time on 16-bit keys (docs/CAPTURE.md).
     """
+    if kernel and score_dtype == torch.float16 and top_r.uses_kernel(logits):
+        out = top_r.top_r(logits, experts, r)
+        if out is not None:
+            return out
     score = logits.to(score_dtype, copy=True)
     score.scatter_(-1, experts, float("inf"))
     ids = _sort_descending(score)[..., :r]
@@ -326,18 +333,20 @@ def _real(values: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
 
 
 def _routing_parts(routing: StepRouting, slots: torch.Tensor | None, storage: Storage,
-                   missing: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                   missing: torch.Tensor | None, kernel: bool = True) -> dict[str, torch.Tensor]:
     """The recorded tensors of the real token slots (``slots``; None: every slot), in the form the
     trace stores (on the device).
 
-    ``missing`` bool[L, D] (with look-ahead): layer l + d does not exist.
+    ``missing`` bool[L, D] (with look-ahead): layer l + d does not exist. ``kernel``: the top-R
+    selection's kernel where it runs (:func:`top_r_logits`).
     """
     experts = _real(routing.experts, slots)
     parts = {"experts": experts.to(torch.int16), "weights": _real(routing.weights, slots)}
     if storage.logits != "none":
         logits = _real(routing.logits, slots).to(torch.float16)
         if storage.logits_top_r:
-            parts["logits"], parts["logit_ids"] = top_r_logits(logits, experts, storage.logits_top_r)
+            parts["logits"], parts["logit_ids"] = top_r_logits(logits, experts, storage.logits_top_r,
+                                                                   kernel=kernel)
         else:
             parts["logits"] = logits
     if storage.lookahead:
@@ -615,7 +624,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     counted = [0]
 
     def stored(routing: StepRouting, slots: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        return _routing_parts(routing, slots, storage, missing)
+        return _routing_parts(routing, slots, storage, missing, cfg.top_r_kernel)
 
     def on_tokens(n: int) -> None:
         counted[0] += n

@@ -85,5 +85,8 @@ class CaptureConfig:
     # next forward). Same rows either way; side keeps that work off a forward that waits for its
     # stream (e.g. when it copies its inputs from pageable memory)
     recording_stream: str = "side"
+    # the top-R logits selected by one Triton kernel on a GPU with Triton (traces/capture/top_r.py);
+    # false, or where it cannot run: two stable sorts. The same rows either way
+    top_r_kernel: bool = True
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal

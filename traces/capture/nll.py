@@ -10,9 +10,10 @@ an online maximum. Elsewhere ``log_softmax`` in float32 does it, a few windows a
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
+
+from traces.capture.kernels import give_up
 
 CHUNK_ELEMENTS = 1 << 28  # bound the float32 log-softmax without the kernel (1 GiB)
 LSE_BLOCK = 2048  # logits one kernel program reads per iteration (a row is read in blocks)
@@ -68,9 +69,7 @@ def log_sum_exp(x: torch.Tensor) -> torch.Tensor:
         try:
             _kernel()[(n,)](x, out, cols, x.stride(0), BLOCK=LSE_BLOCK, num_warps=8)
         except Exception as e:  # noqa: BLE001 - e.g. a GPU or driver Triton cannot compile for
-            _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-            warnings.warn(f"the one-pass NLL kernel failed ({_FAILED[0]}); using log_softmax instead",
-                          RuntimeWarning, stacklevel=2)
+            give_up(_FAILED, "the one-pass NLL kernel", "using log_softmax instead", e)
             return torch.logsumexp(x.float(), dim=-1)
     return out
 

@@ -1,9 +1,10 @@
 """Device time of the capture's top-R logit selection (:func:`traces.capture.capture.top_r_logits`).
 
-Times the selection as moe-capture runs it (float16 scores) beside the same selection on float32
-scores (how it ran before; the yardstick) on random router logits of the shapes the capture bench
-uses, one forward's tokens each, and checks that both give the same ids and values, and the
-format's own definition (``traces.format``) on tie-heavy logits (-0.0, +-inf, repeats):
+Times the selection as moe-capture runs it (on a GPU with Triton, one kernel:
+:mod:`traces.capture.top_r`) beside the two stable sorts on float16 scores (the fallback) and
+on float32 scores (how it ran first; the yardstick) on random router logits of the shapes the
+capture bench uses, one forward's tokens each, and checks that all give the same ids and values,
+and the format's own definition (``traces.format``) on tie-heavy logits (-0.0, +-inf, repeats):
 
     python -m traces.capture.top_r_cost --out top_r.json
 
@@ -19,6 +20,7 @@ import time
 import torch
 
 from traces.atomic import atomic_write_text
+from traces.capture import top_r
 from traces.capture.capture import top_r_logits
 from traces.format import TraceMeta, _stored_logits
 
@@ -36,21 +38,32 @@ def float32_scores(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple
     return top_r_logits(logits, experts, r, score_dtype=torch.float32)
 
 
+def float16_sorts(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same selection by two sorts on float16 scores (the capture's without the kernel)."""
+    return top_r_logits(logits, experts, r, kernel=False)
+
+
+def _selections(logits: torch.Tensor) -> dict:
+    """The selections to time and compare on ``logits``: the kernel only where it runs."""
+    fns = {"float16": float16_sorts, "float32": float32_scores}
+    return {"kernel": top_r_logits, **fns} if top_r.uses_kernel(logits) else fns
+
+
 def _same(a, b) -> bool:
     return bool(torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.int16), b[0].view(torch.int16)))
 
 
 def _format_agrees(device: str, n: int, L: int, E: int, k: int, r: int, g: torch.Generator) -> bool:
-    """top_r_logits on tie-heavy logits equals traces.format's numpy selection."""
+    """Every selection of :func:`_selections` on tie-heavy logits equals traces.format's numpy one."""
     tied = torch.tensor(TIED, dtype=torch.float16, device=device)
     logits = tied[torch.randint(0, len(TIED), (n, L, E), device=device, generator=g)]
     experts = torch.rand(n, L, E, device=device, generator=g).argsort(-1)[..., :k]
     meta = TraceMeta.__new__(TraceMeta)
     meta.logits_top_r = r
     want = _stored_logits(meta, logits.cpu().numpy(), experts.cpu().numpy())
-    values, ids = top_r_logits(logits, experts, r)
-    return bool((ids.cpu().numpy() == want["logit_ids"]).all()
-                and (values.cpu().numpy().view("u2") == want["logits"].view("u2")).all())
+    return all(bool((ids.cpu().numpy() == want["logit_ids"]).all()
+                    and (values.cpu().numpy().view("u2") == want["logits"].view("u2")).all())
+               for values, ids in (f(logits, experts, r) for f in _selections(logits).values()))
 
 
 def _median_ms(f, args, repeats: int, cuda: bool) -> float:
@@ -69,7 +82,8 @@ def _median_ms(f, args, repeats: int, cuda: bool) -> float:
 
 
 def measure(device: str, repeats: int, shapes=SHAPES) -> dict:
-    """Both selections timed and compared on each of ``shapes`` (SHAPES' rows)."""
+    """The selections timed and compared on each of ``shapes`` (SHAPES' rows); ``kernel_ms`` is
+    None where the kernel does not run (no GPU, or no Triton)."""
     cuda = device == "cuda"
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "shapes": []}
     for name, n, L, E, k, r in shapes:
@@ -78,14 +92,17 @@ def measure(device: str, repeats: int, shapes=SHAPES) -> dict:
         logits[..., ::7] = torch.round(logits[..., ::7])  # ties, -0.0 among them
         experts = logits.float().topk(k, dim=-1).indices
         args = (logits, experts, r)
+        fns = _selections(logits)
+        first, *rest = (f(*args) for f in fns.values())
         row = {"shape": name, "tokens": n, "layers": L, "experts": E, "top_k": k, "R": r,
-               "equal": _same(top_r_logits(*args), float32_scores(*args)),
+               "equal": all(_same(first, other) for other in rest),
                "format_equal": _format_agrees(device, min(n, 1024), L, E, k, r, g),
-               "float16_ms": _median_ms(top_r_logits, args, repeats, cuda),
-               "float32_ms": _median_ms(float32_scores, args, repeats, cuda)}
+               "kernel_ms": None}
+        row.update({f"{key}_ms": _median_ms(f, args, repeats, cuda) for key, f in fns.items()})
         out["shapes"].append(row)
-        print(f"{name}: float16 scores {row['float16_ms']:.3f} ms, float32 {row['float32_ms']:.3f} ms; "
-              f"equal {row['equal']}, as the format {row['format_equal']}", flush=True)
+        kernel = f"kernel {row['kernel_ms']:.3f} ms, " if row["kernel_ms"] is not None else ""
+        print(f"{name}: {kernel}sorts on float16 scores {row['float16_ms']:.3f} ms, float32 "
+              f"{row['float32_ms']:.3f} ms; equal {row['equal']}, as the format {row['format_equal']}", flush=True)
     return out
 
 

@@ -1,0 +1,98 @@
+"""The capture's top-R selection kernel (traces.capture.top_r) against the format's definition,
+and its fallback to the two sorts."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from traces.capture import capture, top_r  # noqa: E402
+
+# In Triton's interpreter (CPU tensors; a process of its own, since the interpreter is chosen when
+# Triton is first imported). Each case: (E, k, R, tie-heavy logits, rows); R = k, R = E - 1,
+# E not a power of two, the selected experts drawn at random (most of them below the R highest).
+KERNEL_CHECK = """
+import numpy as np, torch
+from traces.capture import top_r
+from traces.format import TraceMeta, _stored_logits
+tied = np.array([-np.inf, -3.5, -1.0, -0.0, 0.0, 6e-8, 0.5, 2.25, 65504, np.inf], np.float16)
+cases = [(8, 2, 6, True, 6), (8, 1, 1, False, 6), (60, 5, 33, True, 4), (64, 8, 8, True, 4),
+         (64, 3, 63, False, 4), (100, 7, 64, True, 3), (128, 8, 16, False, 2), (512, 10, 64, True, 1)]
+bad = []
+for case, (E, k, r, ties, rows) in enumerate(cases):
+    rng = np.random.default_rng(case)
+    logits = tied[rng.integers(0, len(tied), (rows, 2, E))] if ties else rng.normal(size=(rows, 2, E)).astype(np.float16)
+    experts = np.argsort(rng.random((rows, 2, E)), axis=-1)[..., :k]
+    meta = TraceMeta.__new__(TraceMeta)
+    meta.logits_top_r = r
+    want = _stored_logits(meta, logits, experts)
+    values, ids = top_r.top_r(torch.from_numpy(logits), torch.from_numpy(experts), r)
+    if not ((ids.numpy() == want["logit_ids"]).all()
+            and (values.numpy().view(np.uint16) == want["logits"].view(np.uint16)).all()):
+        bad.append((E, k, r, ties))
+print("ok" if not bad else bad)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_kernel_selects_and_orders_as_the_format():
+    """Ties to the lower id, -0.0 equal to 0.0, selected experts kept below the R highest, a
+    selected expert's +inf score tied with a real +inf by id alone, the stored bits the logits'."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout[-2000:], done.stderr[-2000:])
+
+
+def _routing(seed: int = 5, E: int = 40, k: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 3, E, generator=gen).to(torch.float16)
+    experts = torch.rand(6, 3, E, generator=gen).argsort(-1)[..., :k]
+    return logits, experts
+
+
+def test_a_kernel_that_fails_falls_back_to_the_sorts_once_with_a_warning(monkeypatch):
+    calls = []
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise RuntimeError("no compiler for this GPU\nmore detail")
+            return launch
+
+    monkeypatch.setattr(top_r, "_kernel", lambda: Broken())
+    monkeypatch.setattr(top_r, "_FAILED", [])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    logits, experts = _routing()
+    with pytest.warns(RuntimeWarning, match="top-R kernel failed .*no compiler for this GPU.*sorts instead"):
+        got = capture.top_r_logits(logits, experts, 9)
+    again = capture.top_r_logits(logits, experts, 9)  # the sorts now, without another attempt
+    assert len(calls) == 1 and top_r._FAILED == ["RuntimeError: no compiler for this GPU"]
+    want = capture.top_r_logits(logits, experts, 9, kernel=False)
+    for out in (got, again):
+        assert torch.equal(out[1], want[1]) and torch.equal(out[0].view(torch.int16), want[0].view(torch.int16))
+
+
+def test_the_kernel_runs_only_where_asked_and_able(monkeypatch):
+    """Asked (``top_r_kernel``), on a CUDA tensor of float16 logits, with Triton: else the sorts."""
+    ran = []
+    monkeypatch.setattr(top_r, "top_r", lambda *args: ran.append(args) or None)
+    logits, experts = _routing()
+    assert not top_r.uses_kernel(logits)  # a CPU tensor
+    capture.top_r_logits(logits, experts, 9)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(top_r, "_kernel", lambda: object())
+    assert top_r.uses_kernel(logits) and not top_r.uses_kernel(logits.float())
+    capture.top_r_logits(logits, experts, 9, kernel=False)
+    capture.top_r_logits(logits, experts, 9, score_dtype=torch.float32)
+    assert ran == []
+    out = capture.top_r_logits(logits, experts, 9)  # the kernel asked for (here it returns None: sorts)
+    assert len(ran) == 1 and out[1].shape == (6, 3, 9)
+    monkeypatch.setattr(top_r, "_kernel", lambda: None)  # no Triton
+    assert not top_r.uses_kernel(logits)
