@@ -2,18 +2,18 @@
 
 ``traces.format`` keeps, per token-layer, the R highest router logits with the selected experts
 always among them (their scores raised to +inf), ties to the lower id, -0.0 equal to 0.0, then
-orders the R by value descending (stable). On the device the capture did this with two stable
-sorts and five more tensor operations per forward (:func:`traces.capture.capture.top_r_logits`);
-the full sort over all E experts alone took 1.6 ms of an H200 per forward of the small
-Qwen3-Next shape at batch 16, about 5 % of the forward, on the stream beside the next one.
+orders the R by value descending (stable). With torch alone that is two stable sorts and eight
+more tensor operations per forward (:func:`traces.capture.capture.top_r_logits`, the fallback):
+1.68 ms of an H100 per forward of the small Qwen3-Next shape at batch 16, 3.51 ms on the 30B
+shape; the kernel takes 0.75 and 0.77 ms (docs/CAPTURE.md, run o of 2026-12-05).
 
 The kernel sorts each row in registers on one 32-bit key per expert that holds the whole order:
 the value's bits mapped to an order-preserving unsigned integer (-0.0 taken as 0.0), and below
 them the complement of the id, so that every key is distinct and a descending sort gives ties
-to the lower id. A first sort on the selection key (selected experts at +inf) finds the R-th key;
-the kept experts are re-sorted on the stored order's key, whose one extra bit says whether the
-score was +inf (a selected expert, or a real +inf, which ties by id alone as in the format).
-The values are read back at the ids, so the stored bits are the logits' own.
+to the lower id. A first sort of all E on the selection key (selected experts at +inf) ranks
+them; its first R, the kept experts, are sorted again on the stored order's key, whose one extra
+bit says whether the score was +inf (a selected expert, or a real +inf, which ties by id alone
+as in the format). The values are read back at the ids, so the stored bits are the logits' own.
 """
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ def top_r(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple[torch.Te
     values = torch.empty((rows, r), dtype=torch.float16, device=x.device)
     ids = torch.empty((rows, r), dtype=torch.int16, device=x.device)
     if rows:
-        e_pad = triton_next_power_of_2(E)
+        e_pad = _next_power_of_2(E)
         try:
-            _kernel()[(rows,)](x, sel, values, ids, E, x.stride(0), r, K=k, E_PAD=e_pad, R_PAD=triton_next_power_of_2(r),
+            _kernel()[(rows,)](x, sel, values, ids, E, x.stride(0), r, K=k, E_PAD=e_pad, R_PAD=_next_power_of_2(r),
                                num_warps=max(1, min(8, e_pad // 128)))
         except Exception as e:  # noqa: BLE001 - e.g. a GPU or driver Triton cannot compile for
             give_up(_FAILED, "the top-R kernel", "selecting with sorts instead", e)
@@ -106,5 +106,5 @@ def top_r(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple[torch.Te
     return values.view(*lead, r), ids.view(*lead, r)
 
 
-def triton_next_power_of_2(n: int) -> int:
+def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
