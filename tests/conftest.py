@@ -23,3 +23,19 @@ def tiny_trace():
         return ArraySource(*synth_trace(**options))
 
     return make
+
+
+@pytest.fixture
+def broken_kernel():
+    """A Triton kernel whose every launch fails, as on a host Triton cannot compile for: (the
+    kernel, the grids it was launched with)."""
+    calls = []
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise RuntimeError("no compiler for this GPU\nmore detail")
+            return launch
+
+    return Broken(), calls

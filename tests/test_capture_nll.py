@@ -80,18 +80,10 @@ def test_log_sum_exp_without_the_kernel():
     np.testing.assert_allclose(nll.log_sum_exp(x).numpy(), torch.logsumexp(x.double(), -1).numpy(), rtol=1e-6)
 
 
-def test_a_kernel_that_fails_falls_back_once_with_a_warning(monkeypatch):
+def test_a_kernel_that_fails_falls_back_once_with_a_warning(monkeypatch, broken_kernel):
     """A host where Triton cannot compile the kernel: one warning, the same NLL, no retry."""
-    calls = []
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append(grid)
-                raise RuntimeError("no compiler for this GPU\nmore detail")
-            return launch
-
-    monkeypatch.setattr(nll, "_kernel", lambda: Broken())
+    kernel, calls = broken_kernel
+    monkeypatch.setattr(nll, "_kernel", lambda: kernel)
     monkeypatch.setattr(nll, "_FAILED", [])
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     lm = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(4))

@@ -56,17 +56,9 @@ def _routing(seed: int = 5, E: int = 40, k: int = 4):
     return logits, experts
 
 
-def test_a_kernel_that_fails_falls_back_to_the_sorts_once_with_a_warning(monkeypatch):
-    calls = []
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append(grid)
-                raise RuntimeError("no compiler for this GPU\nmore detail")
-            return launch
-
-    monkeypatch.setattr(top_r, "_kernel", lambda: Broken())
+def test_a_kernel_that_fails_falls_back_to_the_sorts_once_with_a_warning(monkeypatch, broken_kernel):
+    kernel, calls = broken_kernel
+    monkeypatch.setattr(top_r, "_kernel", lambda: kernel)
     monkeypatch.setattr(top_r, "_FAILED", [])
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     logits, experts = _routing()

@@ -12,44 +12,24 @@ From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/recording_s
 import collections
 import json
 import os
-import tempfile
+import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from traces.atomic import atomic_write_text
-from traces.capture.capture import batch_tokens, build_meta, capture_windows, open_writer
-from traces.capture.config import CaptureConfig, GenerateConfig, ModelConfig
-from traces.capture.hooks import router_returns_probabilities
-from traces.capture.model import load_model
-from traces.capture.text import make_windows, read_documents
-from traces.format import recorded_content_hash
+sys.path.insert(0, os.path.dirname(__file__))
+from same_bytes import equal, generating, hashes, load, out_dir  # noqa: E402
 
-out = Path(os.environ.get("OUT", "/tmp/recording_stream_check"))
-out.mkdir(parents=True, exist_ok=True)
-base = CaptureConfig(model=ModelConfig(config="traces/fixtures/shapes/qwen3_next_small.json",
-                                       tokenizer="traces/fixtures/model"), batch_size=16)
-model, tokenizer, sites, name = load_model(base.model)
-windows, domains = make_windows(read_documents(["docs", "traces", "simulator"]), tokenizer, 512,
-                                max_tokens=int(os.environ.get("TOKENS", 65536)))
-probs = router_returns_probabilities(model, sites)
-configs = {"teacher_forced": base,
-           "generate": replace(base, mode="generate", batch_size=8,
-                               generate=GenerateConfig(prompt_tokens=64, new_tokens=32))}
-hashes: dict = {}
-with tempfile.TemporaryDirectory() as tmp:
-    for mode, cfg in configs.items():
-        for run, stream in (("side", "side"), ("main", "main"), ("side_again", "side")):
-            c = replace(cfg, recording_stream=stream)
-            meta = build_meta(model, sites, name, domains, c, {}, probs)
-            path = Path(tmp) / f"{mode}_{run}.parquet"
-            with open_writer(path, meta, batch_tokens=batch_tokens(c)) as w:
-                stats = capture_windows(model, sites, windows if mode == "teacher_forced" else windows[:32], c,
-                                        lambda rows: w.write(**rows.columns()), logits_are_probs=probs,
-                                        block=w.block)
-            hashes.setdefault(mode, {})[run] = {"hash": recorded_content_hash(path), "tokens": stats["tokens"]}
+from traces.atomic import atomic_write_text  # noqa: E402
+from traces.capture.capture import capture_windows  # noqa: E402
+
+out = out_dir("/tmp/recording_stream_check")
+setup = load(int(os.environ.get("TOKENS", 65536)))
+base, model, sites, windows, probs = setup.base, setup.model, setup.sites, setup.windows, setup.probs
+runs = {"side": {"recording_stream": "side"}, "main": {"recording_stream": "main"},
+        "side_again": {"recording_stream": "side"}}
+found = {"teacher_forced": hashes(setup, base, runs), "generate": hashes(setup, generating(base), runs, windows[:32])}
 
 
 def profiled(stream: str) -> dict:
@@ -75,8 +55,8 @@ def profiled(stream: str) -> dict:
 
 result = {
     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    "hashes": hashes,
-    "equal": {mode: len({h["hash"] for h in runs.values()}) == 1 for mode, runs in hashes.items()},
+    "hashes": found,
+    "equal": {mode: equal(runs) for mode, runs in found.items()},
     "profile": {stream: profiled(stream) for stream in ("main", "side")} if torch.cuda.is_available() else None,
 }
 print(json.dumps(result, indent=2))

@@ -9,25 +9,17 @@ an online maximum. Elsewhere ``log_softmax`` in float32 does it, a few windows a
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from traces.capture.kernels import give_up
+from traces.capture.kernels import give_up, triton_kernel
 
 CHUNK_ELEMENTS = 1 << 28  # bound the float32 log-softmax without the kernel (1 GiB)
 LSE_BLOCK = 2048  # logits one kernel program reads per iteration (a row is read in blocks)
 
 
-@functools.cache
-def _kernel():
+@triton_kernel
+def _kernel(triton, tl):
     """The Triton log-sum-exp kernel, or None when Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def lse_rows(x_ptr, out_ptr, cols, stride, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)

@@ -17,25 +17,17 @@ as in the format). The values are read back at the ids, so the stored bits are t
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from traces.capture.kernels import give_up
+from traces.capture.kernels import give_up, triton_kernel
 
 MAX_IDS = 1 << 15  # the key's id field (15 bits): ids are int16 in the trace
 _FAILED: list[str] = []  # the kernel's first error on this host: then never tried again
 
 
-@functools.cache
-def _kernel():
+@triton_kernel
+def _kernel(triton, tl):
     """The Triton kernel, or None when Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
     @triton.jit
     def top_r_rows(x_ptr, sel_ptr, val_ptr, id_ptr, E, stride, R,
                    K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
