@@ -15,14 +15,16 @@ from traces.capture import capture, top_r  # noqa: E402
 
 # In Triton's interpreter (CPU tensors; a process of its own, since the interpreter is chosen when
 # Triton is first imported). Each case: (E, k, R, tie-heavy logits, rows); R = k, R = E - 1,
-# E not a power of two, the selected experts drawn at random (most of them below the R highest).
+# E not a power of two, the selected experts drawn at random (most of them below the R highest),
+# none selected (k = 0: look-ahead routing, also against the capture's sorts).
 KERNEL_CHECK = """
 import numpy as np, torch
-from traces.capture import top_r
+from traces.capture import capture, top_r
 from traces.format import TraceMeta, _stored_logits
 tied = np.array([-np.inf, -3.5, -1.0, -0.0, 0.0, 6e-8, 0.5, 2.25, 65504, np.inf], np.float16)
 cases = [(8, 2, 6, True, 6), (8, 1, 1, False, 6), (60, 5, 33, True, 4), (64, 8, 8, True, 4),
-         (64, 3, 63, False, 4), (100, 7, 64, True, 3), (128, 8, 16, False, 2), (512, 10, 64, True, 1)]
+         (64, 3, 63, False, 4), (100, 7, 64, True, 3), (128, 8, 16, False, 2), (512, 10, 64, True, 1),
+         (64, 0, 16, True, 4), (100, 0, 64, False, 3)]
 bad = []
 for case, (E, k, r, ties, rows) in enumerate(cases):
     rng = np.random.default_rng(case)
@@ -35,6 +37,11 @@ for case, (E, k, r, ties, rows) in enumerate(cases):
     if not ((ids.numpy() == want["logit_ids"]).all()
             and (values.numpy().view(np.uint16) == want["logits"].view(np.uint16)).all()):
         bad.append((E, k, r, ties))
+    if not k:
+        ahead = torch.from_numpy(logits)[:, None]  # [n, 1 layer, D = 2, E]
+        sorts = capture.top_r_lookahead(ahead, r, torch.zeros(1, 2, dtype=torch.bool), kernel=False)
+        if not (torch.equal(sorts[1][:, 0], ids) and torch.equal(sorts[0][:, 0].view(torch.int16), values.view(torch.int16))):
+            bad.append(("look-ahead", E, r, ties))
 print("ok" if not bad else bad)
 """
 

@@ -315,14 +315,15 @@ def top_r_logits(logits: torch.Tensor, experts: torch.Tensor, r: int,
     return values.gather(-1, order), ids.gather(-1, order).to(torch.int16)
 
 
-def top_r_lookahead(lookahead: torch.Tensor, r: int, missing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-R look-ahead as stored: float16[n, L, D, E] -> (float16 [n, L, D, R] descending, int16 ids).
+def top_r_lookahead(lookahead: torch.Tensor, r: int, missing: torch.Tensor,
+                    kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-R look-ahead as stored: float16[n, L, D, E] -> (float16 [n, L, D, R] descending, int16 ids):
+    :func:`top_r_logits` with no expert selected (the kernel where ``kernel`` and it runs).
 
     ``missing`` bool[L, D]: layer l + d does not exist; its ids become the format's sentinel.
     """
-    ids = _sort_descending(lookahead)[..., :r]
-    values = lookahead.gather(-1, ids)
-    ids = ids.to(torch.int16)
+    none = torch.empty((*lookahead.shape[:-1], 0), dtype=torch.int64, device=lookahead.device)
+    values, ids = top_r_logits(lookahead, none, r, kernel=kernel)
     ids[:, missing] = LOOKAHEAD_NO_LAYER
     return values, ids
 
@@ -338,7 +339,7 @@ def _routing_parts(routing: StepRouting, slots: torch.Tensor | None, storage: St
     trace stores (on the device).
 
     ``missing`` bool[L, D] (with look-ahead): layer l + d does not exist. ``kernel``: the top-R
-    selection's kernel where it runs (:func:`top_r_logits`).
+    selections' kernel where it runs (:func:`top_r_logits`, :func:`top_r_lookahead`).
     """
     experts = _real(routing.experts, slots)
     parts = {"experts": experts.to(torch.int16), "weights": _real(routing.weights, slots)}
@@ -353,7 +354,7 @@ def _routing_parts(routing: StepRouting, slots: torch.Tensor | None, storage: St
         ahead = _real(routing.lookahead, slots).to(torch.float16)
         if storage.lookahead_top_r:
             parts["lookahead_logits"], parts["lookahead_ids"] = top_r_lookahead(
-                ahead, storage.lookahead_top_r, missing)
+                ahead, storage.lookahead_top_r, missing, kernel)
         else:
             parts["lookahead_logits"] = ahead
     return parts

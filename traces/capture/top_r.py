@@ -76,14 +76,15 @@ def uses_kernel(logits: torch.Tensor) -> bool:
 
 
 def top_r(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """float16[n, L, E] logits and int[n, L, k] selected experts -> (float16[n, L, R] descending,
-    int16[n, L, R] their ids) by the kernel; None where the kernel failed (a warning, once; the
-    caller then selects with sorts). Call only where :func:`uses_kernel`."""
+    """float16[..., E] logits and int[..., k] selected experts (k may be 0: look-ahead routing) ->
+    (float16[..., R] descending, int16[..., R] their ids) by the kernel; None where the kernel
+    failed (a warning, once; the caller then selects with sorts). Call only where
+    :func:`uses_kernel`."""
     *lead, E = logits.shape
     k = experts.shape[-1]
     x = logits.reshape(-1, E)
     x = x if x.stride(1) == 1 else x.contiguous()
-    sel = experts.reshape(-1, k).contiguous()
+    sel = experts.reshape(-1, k).contiguous() if k else x  # none selected: a pointer never read
     rows = x.shape[0]
     values = torch.empty((rows, r), dtype=torch.float16, device=x.device)
     ids = torch.empty((rows, r), dtype=torch.int16, device=x.device)

@@ -24,12 +24,15 @@ from traces.capture import top_r
 from traces.capture.capture import top_r_logits
 from traces.format import TraceMeta, _stored_logits
 
-# (name, tokens, MoE layers, experts, top-k, R): one forward's tokens at batch 16 and batch 1
+# (name, tokens, MoE layers, experts, top-k, R): one forward's tokens at batch 16 and batch 1; top-k 0:
+# look-ahead (traces.capture.capture.top_r_lookahead), each layer's D rows counted as layers
 SHAPES = (("small Qwen3-Next, batch 16", 8192, 8, 512, 10, 64),
           ("small Qwen3-Next, batch 16, R 16", 8192, 8, 512, 10, 16),
           ("small Qwen3-Next, batch 1", 512, 8, 512, 10, 64),
           ("Qwen3-30B-A3B, batch 16", 8192, 48, 128, 8, 64),
-          ("Qwen3-30B-A3B, batch 1", 512, 48, 128, 8, 64))
+          ("Qwen3-30B-A3B, batch 1", 512, 48, 128, 8, 64),
+          # look-ahead routing 2 layers ahead: 8 layers x 2 rows of 512 per token, none selected
+          ("small Qwen3-Next look-ahead (depth 2), batch 16", 8192, 16, 512, 0, 64))
 TIED = (-float("inf"), -3.5, -1.0, -0.0, 0.0, 6e-8, 0.5, 2.25, 65504.0, float("inf"))
 
 
