@@ -88,6 +88,7 @@ def test_the_kernel_runs_only_where_asked_and_able(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(top_r, "_kernel", lambda: object())
     assert top_r.uses_kernel(logits) and not top_r.uses_kernel(logits.float())
+    assert not top_r.uses_kernel(torch.zeros(2, top_r.MAX_EXPERTS + 1, dtype=torch.float16))  # too wide a row
     capture.top_r_logits(logits, experts, 9, kernel=False)
     capture.top_r_logits(logits, experts, 9, score_dtype=torch.float32)
     assert ran == []

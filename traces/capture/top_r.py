@@ -14,6 +14,7 @@ to the lower id. A first sort of all E on the selection key (selected experts at
 them; its first R, the kept experts, are sorted again on the stored order's key, whose one extra
 bit says whether the score was +inf (a selected expert, or a real +inf, which ties by id alone
 as in the format). The values are read back at the ids, so the stored bits are the logits' own.
+The look-ahead routing's top R is the same selection with no expert selected (k = 0).
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import torch
 
 from traces.capture.kernels import give_up, triton_kernel
 
-MAX_IDS = 1 << 15  # the key's id field (15 bits): ids are int16 in the trace
+# a row's experts the kernel sorts in registers, at most (measured up to 512; ids fit the key's
+# 15-bit field up to 2^15 - 1, but a sort of that many would spill): beyond, the sorts
+MAX_EXPERTS = 4096
 _FAILED: list[str] = []  # the kernel's first error on this host: then never tried again
 
 
@@ -70,8 +73,8 @@ def _kernel(triton, tl):
 
 
 def uses_kernel(logits: torch.Tensor) -> bool:
-    """Whether :func:`top_r` of ``logits`` runs the kernel (CUDA, Triton, float16, E < 2^15)."""
-    return (logits.is_cuda and logits.dtype == torch.float16 and logits.shape[-1] < MAX_IDS
+    """Whether :func:`top_r` of ``logits`` runs the kernel (CUDA, Triton, float16, E <= :data:`MAX_EXPERTS`)."""
+    return (logits.is_cuda and logits.dtype == torch.float16 and logits.shape[-1] <= MAX_EXPERTS
             and not _FAILED and _kernel() is not None)
 
 
