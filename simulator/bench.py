@@ -212,7 +212,19 @@ NOTES = """\
   below), fetch_all + LRU 1.40-1.47x -> 1.36-1.45x and rule015 +
   LRU 1.93-2.05x -> 1.83-1.99x. What quality_first pays beyond rule015 + LFU is its background
   admission (74,015 arrivals on this trace, each inserted, trimmed for and mostly evicted again
-  unused: 42,523 wasted): with beta = inf it runs at the speed of rule015 + LFU.
+  unused: 42,523 wasted): with beta = inf it runs at the speed of rule015 + LFU. Counted at
+  75946a8 (4,096 tokens of the Qwen3-Next shape): per step, fetch_all + LFU trims 0.90 times and
+  evicts 2.29 residents, 2.11 of them held ones (per trim 7.4 held looked at, 4.0 of them sorted;
+  per step 0.28 stale tops refreshed and 0.21 pushes). About 30 % of its kernel's perf samples
+  fall in the held sort, most on the test of each held one's last use. Left out for no measured
+  gain (processes alternating with the current tree's, 30-40 repeats each, medians): the step's own
+  admissions kept apart in the held list, so that their test is a branch the processor predicts
+  (41.0 -> 40.8 ms, 9 processes each); the unmarked held ones checked against the heap's top once
+  per trim instead of once per victim (no gain, 3 each); their keys prefetched at the step's
+  start (41.3 -> 43.4 ms, 5 each: slower); `last_use` as int32 (42.0 -> 41.4 ms, 5 each: within
+  the noise); for fetch_all + LRU, the lists' links as int16 (19.3 -> 19.8 ms, 5 each: slower).
+  Counting the mass histogram's bins is about 3 % of rule015 + LRU's time (31.3 -> 30.4 ms with
+  it left out).
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
