@@ -102,13 +102,21 @@ def one_pass(s, batch: int, record: bool) -> dict[str, list[float]]:
     return out
 
 
+def whole(name: str, default: int) -> int:
+    """A positive whole number from the environment variable ``name``, or one line and a non-zero exit."""
+    text = os.environ.get(name, str(default))
+    if not text.isdigit() or int(text) < 1:
+        sys.exit(f"recording_host_time: {name}={text!r} is not a whole number >= 1; set e.g. {name}={default}")
+    return int(text)
+
+
 def main() -> None:
+    tokens, passes = whole("TOKENS", 131072), whole("PASSES", 5)
     out = out_dir("/tmp/recording_host_time")
-    tokens = int(os.environ.get("TOKENS", 131072))
-    passes = int(os.environ.get("PASSES", 5))
     s = load(tokens)
     instrument()
-    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tokens": tokens,
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "model": s.name, "shape": s.base.model.config, "tokens": tokens,
               "passes": passes, "unit": "ms per forward: [thread CPU, wall]", "batches": {}}
     for batch in (16, 1):
         windows = s.windows if batch == 16 else s.windows[: max(1, len(s.windows) // 16)]
