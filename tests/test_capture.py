@@ -655,6 +655,10 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         # one round: the by-round overhead is that round's ratio (its times rounded to 1 ms)
         (c,), (f,) = r["rounds_s"]["capture"], r["rounds_s"]["forward"]
         assert (c - 5e-4) / (f + 5e-4) - 1e-3 <= 1 + r["capture_overhead_by_round_pct"] / 100 <= (c + 5e-4) / (f - 5e-4) + 1e-3
+        # one round: nothing to resample, the intervals are that round's figures
+        assert r["capture_overhead_by_round_ci95_pct"] == [r["capture_overhead_by_round_pct"]] * 2
+        assert r["hooks_overhead_by_round_ci95_pct"] == [r["hooks_overhead_by_round_pct"]] * 2
+        assert r["capture_overhead_ci95_pct"] == [r["capture_overhead_by_round_pct"]] * 2
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
     assert len(table) == 48 and [table[i].split("|")[3:5] for i in (18, 27, 35)] == [
         [" 2 processes, 30-token units, rows copied, recording on the side stream ", " 4 "],
@@ -806,6 +810,37 @@ def test_bench_rounds_alternate_their_order_when_asked():
     calls.clear()
     _timed_rounds(fns, repeats=2)  # the default: the same order every round
     assert calls[3:] == ["forward", "hooks", "capture"] * 2
+
+
+def test_bench_overhead_intervals_bracket_the_figures_and_narrow_with_rounds():
+    """The bootstrap interval of each overhead figure holds the figure, is a point where every
+    round has the same ratio, keeps each round's two passes together (a host whose speed moves
+    from round to round, with the capture always 10 % slower in its round, gives exactly 10 %),
+    and narrows as the rounds grow; bad input is one clear error."""
+    import numpy as np
+
+    from traces.capture.bench import _by_round, overhead_interval
+
+    assert overhead_interval([1.1] * 5, [1.0] * 5) == [10.0, 10.0]
+    assert overhead_interval([1.1], [1.0], by_round=True) == [10.0, 10.0]
+    speed = np.random.default_rng(1).uniform(1.0, 3.0, 25)  # the host's speed, round by round
+    assert overhead_interval(list(1.1 * speed), list(speed), by_round=True) == [10.0, 10.0]
+    low, high = overhead_interval(list(1.1 * speed), list(speed))  # the medians: pairs not kept
+    assert low < 10.0 < high or (low, high) == (10.0, 10.0)
+    rng = np.random.default_rng(2)
+    widths = []
+    for rounds in (9, 225):
+        forward = rng.uniform(1.8, 3.0, rounds)
+        capture = forward * rng.normal(1.12, 0.08, rounds)
+        for by_round in (False, True):
+            low, high = overhead_interval(list(capture), list(forward), by_round=by_round)
+            point = (_by_round(list(capture), list(forward)) if by_round
+                     else round(100 * (np.median(capture) / np.median(forward) - 1), 1))
+            assert low <= point <= high
+            widths.append(high - low)
+    assert widths[2] < widths[0] / 2 and widths[3] < widths[1] / 2  # 25x the rounds: about a fifth as wide
+    with pytest.raises(ValueError, match="one forward time per round"):
+        overhead_interval([1.0, 2.0], [1.0])
 
 
 def test_the_writers_auto_unit_is_one_forward_within_1_16_to_1_2_of_a_row_group(monkeypatch):

@@ -4,7 +4,9 @@ Three variants over the same windows and batches: ``forward`` (the model alone),
 (router hooks, NLL, top-R selection and copies to the host; rows discarded) and ``capture``
 (hooks plus the capture's trace writer, file closed). After one warm-up pass of each, they are
 timed in ``repeats`` rounds (forward, hooks, capture; then capture, hooks, forward; and so on);
-each one's median counts.
+each one's median counts, and the median of the rounds' ratios beside it, each with a 95 %
+bootstrap interval over the rounds (:func:`overhead_interval`): on a host whose speed moves from
+pass to pass, a few rounds leave an overhead uncertain by several points.
 The capture pass is also reported without its close (encoding the units still pending when the
 last forward is done): that tail is fixed per capture, so a long capture's overhead tends to the
 loop's, as long as the loop never waits for the writer. The capture settings are moe-capture's defaults unless given
@@ -217,6 +219,12 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool], tokens: int, t
         # from pass to pass, the ratio of the medians and this can differ by several points
         "capture_overhead_by_round_pct": _by_round(rounds["capture"], rounds["forward"]),
         "hooks_overhead_by_round_pct": _by_round(rounds["hooks"], rounds["forward"]),
+        # how far each figure can move with the rounds drawn: 95 % bootstrap intervals over the
+        # rounds (each round's passes kept together), [low, high] in %
+        "capture_overhead_ci95_pct": overhead_interval(rounds["capture"], rounds["forward"]),
+        "capture_overhead_by_round_ci95_pct": overhead_interval(rounds["capture"], rounds["forward"], by_round=True),
+        "hooks_overhead_ci95_pct": overhead_interval(rounds["hooks"], rounds["forward"]),
+        "hooks_overhead_by_round_ci95_pct": overhead_interval(rounds["hooks"], rounds["forward"], by_round=True),
         # the capture without its close: what a capture converges to as it grows, while the loop
         # never waits for the writer (the close encodes the units still pending, a fixed tail)
         "capture_loop_overhead_pct": round(100 * ((t_cap - close) / t_fwd - 1), 1),
@@ -236,11 +244,37 @@ def _by_round(times: list[float], forward: list[float]) -> float:
     return round(100 * (statistics.median(t / f for t, f in zip(times, forward, strict=True)) - 1), 1)
 
 
+def overhead_interval(times: list[float], forward: list[float], by_round: bool = False, level: float = 0.95,
+                      draws: int = 4000, seed: int = 0) -> list[float]:
+    """A percentile bootstrap interval, in %, of the overhead of ``times`` over ``forward`` (one of
+    each per round): the ratio of the medians, or (``by_round``) the median of the rounds' ratios.
+    Rounds are drawn with replacement, each round's two passes together (a round's passes share
+    the host's speed of the moment). Of the host's noise, not of the model: with few rounds on a
+    host whose speed moves from pass to pass, the interval is wide, and a target a few points
+    away is neither met nor missed. [low, high], rounded to 0.1; one round gives its own ratio."""
+    import numpy as np
+
+    t, f = np.asarray(times, np.float64), np.asarray(forward, np.float64)
+    if t.shape != f.shape or t.ndim != 1 or not t.size:
+        raise ValueError("one time and one forward time per round, at least one round")
+    picks = np.random.default_rng(seed).integers(0, t.size, size=(draws, t.size))
+    if by_round:
+        stat = np.median((t / f)[picks], axis=1)
+    else:
+        stat = np.median(t[picks], axis=1) / np.median(f[picks], axis=1)
+    low, high = np.quantile(100 * (stat - 1), [(1 - level) / 2, (1 + level) / 2])
+    return [round(float(low), 1), round(float(high), 1)]
+
+
 def _workers(cfg: CaptureConfig) -> int:
     """The number of encoding threads a capture with ``cfg`` uses."""
     from traces.capture.writer import default_workers
 
     return cfg.writers or default_workers()
+
+
+def _span(interval: list[float]) -> str:
+    return f"{interval[0]:+.1f} to {interval[1]:+.1f} %"
 
 
 def _lookahead_label(la: LookaheadConfig) -> str:
@@ -368,9 +402,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"top-R kernel {int(r['top_r_kernel'])} unit {r['unit_tokens']} batch {bs} shared rows {share} "
                   f"model's CPU "
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
-                  f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %), "
+                  f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %, 95 % interval "
+                  f"{_span(r['hooks_overhead_ci95_pct'])}), "
                   f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %, "
-                  f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; "
+                  f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; 95 % intervals "
+                  f"{_span(r['capture_overhead_ci95_pct'])} and {_span(r['capture_overhead_by_round_ci95_pct'])}; "
                   f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
                   f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads / child processes: "
                   + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f} / {v['child_processes']:.2f}"
