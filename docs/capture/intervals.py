@@ -1,0 +1,61 @@
+"""How far the capture bench's overhead figures can be trusted: 95 % bootstrap intervals over the
+rounds of saved results (``python -m traces.capture.bench --out``), as the bench now computes
+them for each new run (``traces.capture.bench.overhead_interval``). One Markdown row per run.
+
+From the repository root: ``PYTHONPATH=. python docs/capture/intervals.py docs/capture/bench_1205t_b16.json ...``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from traces.capture.bench import overhead_interval
+from traces.errors import InputError
+
+
+def rows(path: Path) -> list[str]:
+    try:
+        bench = json.loads(path.read_text())
+        runs = bench["runs"]
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"{path}: not a capture bench result ({e}); give files written by "
+                         "python -m traces.capture.bench --out") from None
+    out = []
+    for r in runs:
+        rounds = r.get("rounds_s", {})
+        if not {"forward", "hooks", "capture"} <= rounds.keys():
+            continue  # written before the bench kept its rounds
+        fwd, cap, hooks = rounds["forward"], rounds["capture"], rounds["hooks"]
+        by_round = r.get("capture_overhead_by_round_pct")  # from the unrounded times
+        if by_round is None:
+            by_round = 100 * (statistics.median(c / f for c, f in zip(cap, fwd, strict=True)) - 1)
+        out.append(
+            f"| {path.stem} | {bench.get('gpu') or bench.get('device')} | {bench.get('model')} | {r['batch_size']} | "
+            f"{r.get('writers', '')} {r.get('writer', '')} | {len(fwd)} | {r['capture_overhead_pct']:+.1f} % "
+            f"({_span(overhead_interval(cap, fwd))}) | {by_round:+.1f} % ({_span(overhead_interval(cap, fwd, True))}) | "
+            f"{r['hooks_overhead_pct']:+.1f} % ({_span(overhead_interval(hooks, fwd))}) |")
+    return out
+
+
+def _span(interval: list[float]) -> str:
+    return f"{interval[0]:+.1f} to {interval[1]:+.1f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", type=Path, help="bench results (JSON)")
+    args = p.parse_args(argv)
+    table = [row for path in args.files for row in rows(path)]
+    print("| result | GPU | model | batch | encoders | rounds | capture overhead (95 % interval) | "
+          "median round (95 % interval) | recording alone (95 % interval) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except InputError as e:
+        raise SystemExit(f"error: {e}") from None
