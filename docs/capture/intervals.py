@@ -1,6 +1,8 @@
 """How far the capture bench's overhead figures can be trusted: 95 % bootstrap intervals over the
 rounds of saved results (``python -m traces.capture.bench --out``), as the bench now computes
-them for each new run (``traces.capture.bench.overhead_interval``). One Markdown row per run.
+them for each new run (``traces.capture.bench.overhead_interval``; results that hold them are
+shown as stored, older ones recomputed from their rounds as saved, to the millisecond). One
+Markdown row per run.
 
 From the repository root: ``PYTHONPATH=. python docs/capture/intervals.py docs/capture/bench_1205t_b16.json ...``
 """
@@ -34,8 +36,9 @@ def rows(path: Path) -> list[str]:
         out.append(
             f"| {path.stem} | {bench.get('gpu') or bench.get('device')} | {bench.get('model')} | {r['batch_size']} | "
             f"{r.get('writers', '')} {r.get('writer', '')} | {len(fwd)} | {r['capture_overhead_pct']:+.1f} % "
-            f"({_span(overhead_interval(cap, fwd))}) | {by_round:+.1f} % ({_span(overhead_interval(cap, fwd, True))}) | "
-            f"{r['hooks_overhead_pct']:+.1f} % ({_span(overhead_interval(hooks, fwd))}) |")
+            f"({_span(r.get('capture_overhead_ci95_pct') or overhead_interval(cap, fwd))}) | {by_round:+.1f} % "
+            f"({_span(r.get('capture_overhead_by_round_ci95_pct') or overhead_interval(cap, fwd, True))}) | "
+            f"{r['hooks_overhead_pct']:+.1f} % ({_span(r.get('hooks_overhead_ci95_pct') or overhead_interval(hooks, fwd))}) |")
     return out
 
 

@@ -1,13 +1,16 @@
-"""On a GPU host: what the model's thread calls, per forward, when the capture records and writes.
+"""On a GPU host: what the capturing process calls, per forward, when the capture records and writes.
 
 The capture bench puts the small Qwen3-Next shape's overhead at batch 16 at about 13 % (run v),
 about half of it recording, and the model's thread spends that much more CPU on the same
 forwards. This check runs the capture loop at batch 16 three ways (the forward alone, recording
 with the rows dropped, recording and the default writer), each after an untimed pass, under
-``cProfile`` on the model's thread only, and lists per forward the functions (Python and the C
-functions they call: torch's ops, stream and event calls) whose own time grew most over the
-forward alone. cProfile's own cost is in every figure; the differences between the three are
-what to read.
+``cProfile``, and lists per forward the functions (Python and the C functions they call: torch's
+ops, stream and event calls) whose own time grew most over the forward alone. cProfile's own cost
+is in every figure; the differences between the three are what to read. On Python 3.12 and later
+cProfile (built on ``sys.monitoring``) sees every thread of the process, not only the model's:
+the drain's and the writer's threads are in the lists too, with their blocking waits
+(``pickle.load`` on the dispatcher's pipe, ``queue.get``, ``wait``, lock acquires), which are
+time spent waiting, not work.
 
 From the repository root: ``OUT=DIR TOKENS=131072 PYTHONPATH=. python docs/capture/loop_profile.py``
 (``TOKENS`` per pass, default 131,072; ``TOP`` rows, default 40). Writes DIR/loop_profile.json.
@@ -63,7 +66,7 @@ def main() -> None:
     modes = ("forward alone", "recording", "recording and writer")
     runs = {mode: profiled(s, mode) for mode in modes}
     base = runs["forward alone"]
-    result = {"model": s.name, "shape": s.base.model.config, "tokens": tokens, "forwards": forwards,
+    result = {"python": sys.version.split()[0], "model": s.name, "shape": s.base.model.config, "tokens": tokens, "forwards": forwards,
               "unit": "calls and own ms per forward",
               "total_ms_per_forward": {m: round(1e3 * sum(v[1] for v in r.values()) / forwards, 3)
                                        for m, r in runs.items()}}
