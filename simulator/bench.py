@@ -224,7 +224,12 @@ NOTES = """\
   start (41.3 -> 43.4 ms, 5 each: slower); `last_use` as int32 (42.0 -> 41.4 ms, 5 each: within
   the noise); for fetch_all + LRU, the lists' links as int16 (19.3 -> 19.8 ms, 5 each: slower).
   Counting the mass histogram's bins is about 3 % of rule015 + LRU's time (31.3 -> 30.4 ms with
-  it left out).
+  it left out). Measured at e2b354b and left out too: the held sort's and the heap's test of an
+  arrival's `core.fresh` skipped where nothing arrives in the background (the array passed as
+  None; fetch_all + LFU 40.9-41.7 -> 40.6-41.1 ms, medians 41.5 -> 40.6 ms, 3 processes each,
+  about 2 %, less than the share lacks, and the eviction's victim hook would have to learn at
+  compile time whether the kernel queues background transfers); the marks as int32 for rule015
+  + LRU (30.6-31.5 -> 31.0-31.6 ms, 3 each: no gain).
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
