@@ -843,6 +843,48 @@ def test_bench_overhead_intervals_bracket_the_figures_and_narrow_with_rounds():
         overhead_interval([1.0, 2.0], [1.0])
 
 
+def test_bench_rounds_end_early_once_every_capture_interval_is_narrow_enough():
+    """``--ci-width``: rounds stop after the first round (from MIN_ROUNDS on) where every capture's
+    interval is narrow enough, never before MIN_ROUNDS, and not at all while one is wide; 0 runs
+    every round."""
+    from traces.capture.bench import MIN_ROUNDS, Timed, _narrow_enough, _timed_rounds
+
+    assert _narrow_enough(0.0, ["capture"]) is None
+    steady = {"forward": [1.0] * 9, "capture": [1.1] * 9, "noisy": [1.1, 1.5, 0.8, 1.3, 0.9, 1.6, 1.0, 1.4, 0.7]}
+    narrow = _narrow_enough(1.0, ["capture"])
+    assert [narrow({k: v[:n] for k, v in steady.items()}) for n in range(1, 10)] == [False] * (MIN_ROUNDS - 1) + [True] * (10 - MIN_ROUNDS)
+    assert not _narrow_enough(1.0, ["capture", "noisy"])(steady)  # every capture must be narrow
+    calls = []
+
+    def fn(seconds):
+        def timed():
+            calls.append(seconds)
+            return Timed(seconds, None)
+        return timed
+
+    _, _, rounds, _ = _timed_rounds({"forward": fn(1.0), "capture": fn(1.1)}, repeats=9, enough=narrow)
+    assert len(rounds["forward"]) == MIN_ROUNDS == len(rounds["capture"]) and len(calls) == 2 * (MIN_ROUNDS + 1)
+    _, _, rounds, _ = _timed_rounds({"forward": fn(1.0), "capture": fn(1.1)}, repeats=9)
+    assert len(rounds["capture"]) == 9
+
+
+def test_bench_stops_at_the_interval_width_asked_and_rejects_a_negative_one(tmp_path, capsys):
+    from traces.capture import bench
+
+    config = _tiny_model_dir(tmp_path)
+    args = ["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "100", "--window", "50",
+            "--batch-sizes", "2", "--device", "cpu", "--dtype", "float32", "--writers", "1",
+            "--writer", "threads", "--unit-tokens", "50"]
+    out = tmp_path / "bench.json"
+    bench.main([*args, "--repeats", "8", "--ci-width", "1000", "--out", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["rounds"] == bench.MIN_ROUNDS == len(run["rounds_s"]["capture"])
+    assert f"in {bench.MIN_ROUNDS} rounds" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*args, "--ci-width", "-1"])
+    assert exc.value.code == 2 and "--ci-width -1.0: give a width in points >= 0" in capsys.readouterr().err
+
+
 def test_the_writers_auto_unit_is_one_forward_within_1_16_to_1_2_of_a_row_group(monkeypatch):
     from traces.capture import capture as C
     from traces.capture.config import GenerateConfig, InputConfig

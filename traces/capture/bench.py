@@ -6,7 +6,9 @@ Three variants over the same windows and batches: ``forward`` (the model alone),
 timed in ``repeats`` rounds (forward, hooks, capture; then capture, hooks, forward; and so on);
 each one's median counts, and the median of the rounds' ratios beside it, each with a 95 %
 bootstrap interval over the rounds (:func:`overhead_interval`): on a host whose speed moves from
-pass to pass, a few rounds leave an overhead uncertain by several points.
+pass to pass, a few rounds leave an overhead uncertain by several points. ``--ci-width W`` ends
+the rounds early (from the fifth on, ``--repeats`` the most) once every capture's interval is at
+most W points wide: ``--repeats 60 --ci-width 4`` measures until it can tell 10 % from 14 %.
 The capture pass is also reported without its close (encoding the units still pending when the
 last forward is done): that tail is fixed per capture, so a long capture's overhead tends to the
 loop's, as long as the loop never waits for the writer. The capture settings are moe-capture's defaults unless given
@@ -68,7 +70,7 @@ class Timed(NamedTuple):
     result: object
 
 
-def _timed_rounds(fns: dict, repeats: int, alternate: bool = False,
+def _timed_rounds(fns: dict, repeats: int, alternate: bool = False, enough=None,
                   ) -> tuple[dict[str, float], dict, dict[str, list[float]], dict]:
     """Median seconds of each of ``fns`` over ``repeats`` rounds (one call of each per round, in
     turn), after a warm-up call of each; and each function's last result. A function that returns
@@ -78,7 +80,9 @@ def _timed_rounds(fns: dict, repeats: int, alternate: bool = False,
     (forward, hooks, capture; then capture, hooks, forward), so that neither a drift within a
     round nor what the call before leaves behind favours one of them. Third: each function's
     timed rounds in seconds (the drift). Fourth: each function's median CPU seconds per call, of
-    the calling thread (``main_thread``) and of the process's other threads (``other_threads``)."""
+    the calling thread (``main_thread``) and of the process's other threads (``other_threads``).
+    ``enough(times)``: called after each round with the rounds so far; True ends the rounds
+    before ``repeats`` (which is then the most)."""
     def call(fn) -> tuple[float, object]:
         start = time.perf_counter()
         out = fn()
@@ -94,6 +98,8 @@ def _timed_rounds(fns: dict, repeats: int, alternate: bool = False,
             times[name].append(seconds)
             cpu[name].append((time.process_time() - process, time.thread_time() - thread,
                               _children_cpu() - children))
+        if enough is not None and enough(times):
+            break
     cpu_s = {name: {"main_thread": round(statistics.median(c[1] for c in runs), 3),
                     "other_threads": round(statistics.median(c[0] - c[1] for c in runs), 3),
                     "child_processes": round(statistics.median(c[2] for c in runs), 3)}
@@ -111,7 +117,7 @@ def _children_cpu() -> float:
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = (),
-                     kernels: tuple[bool, ...] = ()) -> list[dict]:
+                     kernels: tuple[bool, ...] = (), ci_width: float = 0.0) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
     in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``),
     ``streams``: with each of these recording streams (default: ``cfg.recording_stream``), and
@@ -170,9 +176,28 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     modes.update({_hooks_mode(*rec): (lambda rec=rec: hooks(*rec)) for rec in recordings})
     modes.update({_mode(*v): (lambda v=v: capture(*v)) for v in variants})
     with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all passes alike
-        t, last, rounds, cpu = _timed_rounds(modes, repeats, alternate=True)
+        t, last, rounds, cpu = _timed_rounds(modes, repeats, alternate=True,
+                                             enough=_narrow_enough(ci_width, [_mode(*v) for v in variants]))
     return [_overhead(cfg, v, tokens, t, rounds, cpu, last[_mode(*v)], units[v], closes[v], opens[v], cpu_of_model)
             for v in variants]
+
+
+MIN_ROUNDS = 5  # rounds before an interval may end the measurement (fewer resample too coarsely)
+
+
+def _narrow_enough(width: float, captures: list[str]):
+    """``enough`` for :func:`_timed_rounds`: every capture pass's overhead over the forward has a 95 %
+    interval (the ratio of the medians, :func:`overhead_interval`) at most ``width`` points wide,
+    from :data:`MIN_ROUNDS` rounds on; None where ``width`` is 0 (every round runs)."""
+    if width <= 0:
+        return None
+
+    def enough(times: dict[str, list[float]]) -> bool:
+        if len(times["forward"]) < MIN_ROUNDS:
+            return False
+        spans = [overhead_interval(times[c], times["forward"]) for c in captures]
+        return all(high - low <= width for low, high in spans)
+    return enough
 
 
 def _recording(stream: str, kernel: bool) -> str:
@@ -210,6 +235,7 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool], tokens: int, t
         "model_cpu": cpu_of_model,
         "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
         "tokens": tokens,
+        "rounds": len(rounds["forward"]),  # fewer than asked where --ci-width ended them early
         "forward_tokens_per_s": round(tokens / t_fwd),
         "hooks_tokens_per_s": round(tokens / t_hooks),
         "capture_tokens_per_s": round(tokens / t_cap),
@@ -355,7 +381,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-r-kernel", default="1" if defaults.top_r_kernel else "0",
                    help="1: the top-R logits selected by the Triton kernel where it runs (moe-capture's "
                         "top_r_kernel), 0: by two sorts; comma-separated to compare them in the same rounds")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds (the most, with --ci-width)")
+    p.add_argument("--ci-width", type=float, default=0.0,
+                   help="end the rounds early, from the 5th on, once every capture's overhead has a 95 %% "
+                        "interval at most this many points wide (0: run every round)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -369,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
     units, encoders = _counts(p, "--unit-tokens", args.unit_tokens), _counts(p, "--writers", args.writers)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
+    if not args.ci_width >= 0:
+        p.error(f"--ci-width {args.ci_width}: give a width in points >= 0 (0: run every round)")
     pins, shares, kernels = args.pin_threads.split(","), args.shared_rows.split(","), args.top_r_kernel.split(",")
     for flag, values in (("--pin-threads", pins), ("--shared-rows", shares), ("--top-r-kernel", kernels)):
         if any(x not in ("0", "1") for x in values):
@@ -396,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
                       lookahead=lookahead, unit_tokens=unit, input=replace(defaults.input, window_tokens=args.window),
                       pin_threads=pin == "1", shared_rows=share == "1")
         for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
-                                  tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels)):
+                                  tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels),
+                                  args.ci_width):
             results["runs"].append(r)
             print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} "
                   f"top-R kernel {int(r['top_r_kernel'])} unit {r['unit_tokens']} batch {bs} shared rows {share} "
@@ -404,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
                   f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %, 95 % interval "
                   f"{_span(r['hooks_overhead_ci95_pct'])}), "
-                  f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} %, "
+                  f"capture {r['capture_tokens_per_s']} ({r['capture_overhead_pct']:+.1f} % in {r['rounds']} rounds, "
                   f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; 95 % intervals "
                   f"{_span(r['capture_overhead_ci95_pct'])} and {_span(r['capture_overhead_by_round_ci95_pct'])}; "
                   f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
