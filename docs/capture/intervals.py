@@ -35,11 +35,25 @@ def rows(path: Path) -> list[str]:
             by_round = 100 * (statistics.median(c / f for c, f in zip(cap, fwd, strict=True)) - 1)
         out.append(
             f"| {path.stem} | {bench.get('gpu') or bench.get('device')} | {bench.get('model')} | {r['batch_size']} | "
-            f"{r.get('writers', '')} {r.get('writer', '')} | {len(fwd)} | {r['capture_overhead_pct']:+.1f} % "
+            f"{r.get('writers', '')} {r.get('writer', '')}{_setting(r)} | {len(fwd)} | {r['capture_overhead_pct']:+.1f} % "
             f"({_span(r.get('capture_overhead_ci95_pct') or overhead_interval(cap, fwd))}) | {by_round:+.1f} % "
             f"({_span(r.get('capture_overhead_by_round_ci95_pct') or overhead_interval(cap, fwd, True))}) | "
             f"{r['hooks_overhead_pct']:+.1f} % ({_span(r.get('hooks_overhead_ci95_pct') or overhead_interval(hooks, fwd))}) |")
     return out
+
+
+def _setting(r: dict) -> str:
+    """What sets a run apart from the capture's defaults, where a result holds several."""
+    parts = []
+    if r.get("model_cpu") is not None:
+        parts.append("model's thread pinned")
+    if r.get("recording_stream") == "main":
+        parts.append("recording on the model's stream")
+    if r.get("top_r_kernel") is False:
+        parts.append("top-R by two sorts")
+    if r.get("shared_rows") is False:
+        parts.append("rows copied")
+    return "".join(f", {p}" for p in parts)
 
 
 def _span(interval: list[float]) -> str:
