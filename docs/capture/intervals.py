@@ -10,36 +10,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
-from traces.capture.bench import overhead_interval
+from traces.capture.bench import _by_round, _span, overhead_interval
 from traces.errors import InputError
 
 
 def rows(path: Path) -> list[str]:
     try:
         bench = json.loads(path.read_text())
-        runs = bench["runs"]
-    except (OSError, ValueError, KeyError) as e:
-        raise InputError(f"{path}: not a capture bench result ({e}); give files written by "
+        return [row for r in bench["runs"] if (row := _row(path, bench, r))]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: not a capture bench result ({type(e).__name__}: {e}); give files written by "
                          "python -m traces.capture.bench --out") from None
-    out = []
-    for r in runs:
-        rounds = r.get("rounds_s", {})
-        if not {"forward", "hooks", "capture"} <= rounds.keys():
-            continue  # written before the bench kept its rounds
-        fwd, cap, hooks = rounds["forward"], rounds["capture"], rounds["hooks"]
-        by_round = r.get("capture_overhead_by_round_pct")  # from the unrounded times
-        if by_round is None:
-            by_round = 100 * (statistics.median(c / f for c, f in zip(cap, fwd, strict=True)) - 1)
-        out.append(
-            f"| {path.stem} | {bench.get('gpu') or bench.get('device')} | {bench.get('model')} | {r['batch_size']} | "
+
+
+def _row(path: Path, bench: dict, r: dict) -> str | None:
+    """One run's Markdown row; None for a run saved before the bench kept its rounds."""
+    rounds = r.get("rounds_s", {})
+    if not {"forward", "hooks", "capture"} <= rounds.keys():
+        return None
+    fwd, cap, hooks = rounds["forward"], rounds["capture"], rounds["hooks"]
+    by_round = r.get("capture_overhead_by_round_pct")  # from the unrounded times
+    if by_round is None:
+        by_round = _by_round(cap, fwd)
+    return (f"| {path.stem} | {bench.get('gpu') or bench.get('device')} | {bench.get('model')} | {r['batch_size']} | "
             f"{r.get('writers', '')} {r.get('writer', '')}{_setting(r)} | {len(fwd)} | {r['capture_overhead_pct']:+.1f} % "
             f"({_span(r.get('capture_overhead_ci95_pct') or overhead_interval(cap, fwd))}) | {by_round:+.1f} % "
             f"({_span(r.get('capture_overhead_by_round_ci95_pct') or overhead_interval(cap, fwd, True))}) | "
             f"{r['hooks_overhead_pct']:+.1f} % ({_span(r.get('hooks_overhead_ci95_pct') or overhead_interval(hooks, fwd))}) |")
-    return out
 
 
 def _setting(r: dict) -> str:
@@ -54,10 +53,6 @@ def _setting(r: dict) -> str:
     if r.get("shared_rows") is False:
         parts.append("rows copied")
     return "".join(f", {p}" for p in parts)
-
-
-def _span(interval: list[float]) -> str:
-    return f"{interval[0]:+.1f} to {interval[1]:+.1f}"
 
 
 def main(argv: list[str] | None = None) -> None:
