@@ -33,6 +33,7 @@ from typing import NoReturn
 
 import numpy as np
 
+from simulator import bench_baseline
 from traces.atomic import atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR
 
@@ -891,6 +892,14 @@ def run_bench(repeats: int, scale_tokens: int, work_dir: Path, token_scale: floa
         figures["scale"] = _run(task)
         scale_path.unlink()
 
+    _say(f"fetch_all + LRU against {bench_baseline.COMMIT}, side by side")
+    lead = shapes[0]
+    try:
+        figures["baseline"] = bench_baseline.measure(Path(__file__).resolve().parent.parent, work_dir,
+                                                     lead.__dict__, lead.model, repeats)
+    except RuntimeError as exc:  # a baseline that no longer runs here: the report says why
+        figures["baseline"] = {"commit": bench_baseline.COMMIT, "skipped": str(exc)}
+
     _say("simulate_many")
     many_shape = shapes[1]
     figures["many"] = _run({"kind": "many", "trace": str(traces[many_shape.name]),
@@ -967,6 +976,14 @@ def _targets(fig: dict) -> list[tuple[str, str, str, bool | None]]:
                      "(Qwen3-Next, equal hits)", f"{ratio:.2f}x" + ("" if y["equal"] else " (hits DIFFER)"),
                      f"{ratio / TARGETS['fetch_all_over_yardstick']:.2f}x limit",
                      ratio <= TARGETS["fetch_all_over_yardstick"] and y["equal"]))
+    b = fig.get("baseline", {})
+    if "rounds" in b:
+        sb = bench_baseline.summary(b)
+        rows.append((f"fetch_all + LRU <= {b['target_ns']:g} ns per lookup, as the speed-up it asks of "
+                     f"{b['commit']} ({b['set_ns']:g} ns then: {sb['needed']:.2f}x), side by side",
+                     f"{sb['speedup']:.2f}x ({sb['scaled_ns']:.1f} ns on that scale)"
+                     + ("" if sb["hits_equal"] else " (hits DIFFER)"),
+                     f"{sb['speedup'] / sb['needed']:.2f}x target", sb["met"]))
     fr = fig["shapes"][SHAPES[0].name].get("first_run", {}).get("fetch_all+lru")
     if fr:
         share = _med(first["fetch_all+lru"]["cpu_s"]) / _med(fr["parquet_cpu_s"])
@@ -1029,6 +1046,39 @@ def _rounds_ratio(engine: list[float], minimal: list[float]) -> float:
     if len(engine) == len(minimal):
         return statistics.median(e / k for e, k in zip(engine, minimal, strict=True))
     return _med(engine) / _med(minimal)
+
+
+def _baseline_section(b: dict | None) -> list[str]:
+    """The report's lines on fetch_all + LRU against the commit the targets were set on."""
+    if not b:  # figures of earlier versions
+        return []
+    head = [f"## Against {b['commit']}, the engine the targets were set on", ""]
+    if "skipped" in b:
+        return head + [f"Not measured: {b['skipped']}.", ""]
+    sb = bench_baseline.summary(b)
+
+    def cell(x):
+        return "" if x is None else f"{x:.1f}"
+
+    return head + [
+        _table(["tree", "ns/lookup, whole call", "ns/lookup, kernel alone", "hits"],
+               [[b["commit"], cell(sb["baseline_ns"]), cell(sb["baseline_kernel_ns"]), f"{sb['hits']:,}"],
+                ["this one", cell(sb["ours_ns"]), cell(sb["ours_kernel_ns"]),
+                 f"{sb['hits']:,}" if sb["hits_equal"] else "**differ**"]]),
+        "",
+        f"fetch_all + LRU on the Qwen3-Next shape ({b['tokens']:,} tokens, per-layer cache at 25 %), "
+        f"{len(b['rounds'])} rounds, each one process of each tree taking turns (which goes first "
+        f"alternates), each process the median of {b['calls']} calls after an untimed one; CPU time "
+        "of the simulating thread. Each tree writes its own copy of the same synthetic routing "
+        "(traces.synth, seed 0) and reads it from its own trace cache; the hits of every round are "
+        "compared. Speed-up (the median of the rounds' ratios): "
+        f"**{sb['speedup']:.2f}x** for the whole call"
+        + (f", {sb['kernel_speedup']:.2f}x for the kernel alone" if sb["kernel_speedup"] else "")
+        + f". The target of {b['target_ns']:g} ns per lookup was set when {b['commit']} took "
+        f"{b['set_ns']:g} ns, so it asks for {sb['needed']:.2f}x; a time per lookup also moves with "
+        "the machine and its load (`simulator/bench_baseline.py`).",
+        "",
+    ]
 
 
 def _cache_size_cells(s: dict) -> list[str]:
@@ -1153,6 +1203,7 @@ def render(fig: dict) -> str:
             "out of it, so it may run faster than this kernel).",
             "",
         ]
+    out += _baseline_section(fig.get("baseline"))
     out += [
         "## libCacheSim on the identical request stream",
         "",
