@@ -1080,7 +1080,7 @@ def _baseline_section(b: dict | None) -> list[str]:
         "(traces.synth, seed 0) and reads it from its own trace cache; the hits of every round are "
         "compared. Speed-up (the median of the rounds' ratios): "
         f"**{sb['speedup']:.2f}x** for the whole call"
-        + (f", {sb['kernel_speedup']:.2f}x for the kernel alone" if sb["kernel_speedup"] else "")
+        + (f", {sb['kernel_speedup']:.2f}x for the kernel alone" if sb["kernel_speedup"] is not None else "")
         + f". The target of {b['target_ns']:g} ns per lookup was set when {b['commit']} took "
         f"{b['set_ns']:g} ns, so it asks for {sb['needed']:.2f}x; a time per lookup also moves with "
         "the machine and its load (`simulator/bench_baseline.py`).",
