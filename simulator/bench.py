@@ -237,7 +237,12 @@ NOTES = """\
   None; fetch_all + LFU 40.9-41.7 -> 40.6-41.1 ms, medians 41.5 -> 40.6 ms, 3 processes each,
   about 2 %, less than the share lacks, and the eviction's victim hook would have to learn at
   compile time whether the kernel queues background transfers); the marks as int32 for rule015
-  + LRU (30.6-31.5 -> 31.0-31.6 ms, 3 each: no gain).
+  + LRU (30.6-31.5 -> 31.0-31.6 ms, 3 each: no gain). Measured at 6a2456e and left out (30
+  repeats a process, medians): each step asking the CPU for the next layer's selected experts'
+  residency and frequency entries (fetch_all + LRU 19.0 -> 21.8 ms, three layers ahead 24.5 ms;
+  fetch_all + LFU 40.9 -> 42.2 and 43.0 ms: slower, the entries are in cache already);
+  frequencies as integers where they do not decay (fetch_all + LFU 40.2 and 42.6 ms against
+  40.9-41.7: within the noise).
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
