@@ -77,3 +77,14 @@ def test_each_tree_runs_in_its_own_process_and_measures_what_simulate_gives(tmp_
     summary = bench_baseline.summary(out)
     assert summary["hits_equal"] and summary["hits"] == hits
     assert json.loads(json.dumps(out)) == out  # kept in the bench's JSON as they stand
+
+
+def test_the_command_alone_gives_one_line_and_a_nonzero_exit_when_it_cannot_measure(capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_baseline.main(["--commit", "0" * 40])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 1 and out == ""
+    assert err.count("\n") == 1 and "not in this checkout's history" in err
+    with pytest.raises(SystemExit) as stop:
+        bench_baseline.main(["--rounds", "0"])
+    assert stop.value.code == 2 and "--rounds and --tokens must be at least 1" in capsys.readouterr().err
