@@ -455,3 +455,51 @@ def test_shared_memory_without_room_is_refused_before_anything_is_written(tmp_pa
         writer.write(**cols)
     assert set(folder.glob("moe-trace-rows-*")) == before
     np.testing.assert_array_equal(read_trace(path)[1].experts, cols["experts"])
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 12, None])
+def test_a_content_hash_fed_on_threads_is_the_one_fed_in_turn(monkeypatch, threshold):
+    """ContentHash.submit: each column's pieces hashed in order on a thread (every column,
+    the large ones, or none: ``threshold``), over several units, gives update's digest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from traces import format as F
+
+    if threshold is not None:
+        monkeypatch.setattr(F, "HASH_THREAD_BYTES", threshold)
+    meta, cols = trace_columns(tokens=300)
+    one, threaded = F.ContentHash(meta), F.ContentHash(meta)
+    one.update(cols)
+    with ThreadPoolExecutor(3) as pool:
+        for unit in blocks(cols, [120, 250]):
+            pieces = blocks(unit, [7, 40])  # a unit's pieces, as they lie in the slabs
+            futures = threaded.submit(pieces, pool)
+            assert len(futures) == (0 if threshold is None else sum(
+                sum(p[name].nbytes for p in pieces) >= threshold for name in unit))
+            for f in futures:
+                f.result()
+    assert threaded.hexdigest() == one.hexdigest()
+    reordered = F.ContentHash(meta)  # the pieces' order within a column counts
+    for unit in blocks(cols, [120, 250])[::-1]:
+        reordered.update(unit)
+    assert reordered.hexdigest() != one.hexdigest()
+
+
+def test_the_joiner_hashes_large_columns_on_threads_and_records_the_hash_one_writer_records(tmp_path):
+    """Units whose logits exceed HASH_THREAD_BYTES: the joiner process hashes them on its threads
+    while it copies the unit's part; the file is the one a single writer makes."""
+    from traces.format import HASH_THREAD_BYTES
+
+    meta, chunk = synth_trace(tokens=2400, layers=3, experts=64, top_k=4, seed=1, logits="full",
+                              seq_tokens=100, prompt_tokens=5, prompt_share=0.5)
+    cols = {k: v for k, v in dict(seq=chunk.seq, pos=chunk.pos, phase=chunk.phase, experts=chunk.experts,
+                                   weights=chunk.gates, logits=chunk.logits).items()}
+    unit = 1200
+    assert unit * 3 * 64 * 2 >= HASH_THREAD_BYTES  # a unit's float16 logits go to a thread
+    with TraceWriter(tmp_path / "one.parquet", meta) as writer:
+        writer.write(**cols)
+    with ParallelTraceWriter(tmp_path / "many.parquet", meta, unit_tokens=unit, workers=2, processes=True) as writer:
+        for block in blocks(cols, [500, 1700]):
+            writer.write(**block)
+    assert recorded_content_hash(tmp_path / "many.parquet") == recorded_content_hash(tmp_path / "one.parquet")
+    np.testing.assert_array_equal(read_trace(tmp_path / "many.parquet")[1].logits, chunk.logits)

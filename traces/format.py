@@ -132,6 +132,7 @@ import resource
 import stat
 import sys
 from collections.abc import Iterable, Iterator
+from concurrent.futures import wait
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -1068,6 +1069,20 @@ def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+# a column of at least this many bytes is hashed on a thread of its own (ContentHash.submit):
+# below it, handing it over costs about as much as hashing it
+HASH_THREAD_BYTES = 1 << 18
+
+
+def _content_bytes(value: np.ndarray) -> memoryview:
+    return np.ascontiguousarray(value).view(np.uint8).reshape(-1).data
+
+
+def _feed(digest, data: list[memoryview]) -> None:
+    for d in data:
+        digest.update(d)
+
+
 class ContentHash:
     """SHA-256 of a trace's decoded content, independent of row groups, chunking and encoding.
 
@@ -1085,7 +1100,27 @@ class ContentHash:
         """Add consecutive tokens' columns (on-disk dtypes, as TraceReader reads them)."""
         for name, value in cols.items():
             digest = self._columns.setdefault(name, hashlib.sha256())
-            digest.update(np.ascontiguousarray(value).view(np.uint8).reshape(-1).data)
+            digest.update(_content_bytes(value))
+
+    def submit(self, pieces: list[dict[str, np.ndarray]], pool) -> list:
+        """:meth:`update` with each of ``pieces`` in turn, each column of at least
+        :data:`HASH_THREAD_BYTES` hashed on a thread of ``pool`` (a ``concurrent.futures``
+        executor; SHA-256 runs without the GIL), its pieces in order; the rest here. Returns the
+        futures: every one must be done before the arrays change or the next update. The columns'
+        streams are independent, so the digest is :meth:`update`'s."""
+        futures = []
+        try:
+            for name in pieces[0] if pieces else ():
+                digest = self._columns.setdefault(name, hashlib.sha256())
+                data = [_content_bytes(piece[name]) for piece in pieces]
+                if sum(d.nbytes for d in data) >= HASH_THREAD_BYTES:
+                    futures.append(pool.submit(_feed, digest, data))
+                else:
+                    _feed(digest, data)
+        except BaseException:
+            wait(futures)  # none may still read the arrays
+            raise
+        return futures
 
     def hexdigest(self) -> str:
         whole = hashlib.sha256(b"moe-trace content v1\n" + self._meta)
