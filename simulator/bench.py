@@ -242,7 +242,15 @@ NOTES = """\
   residency and frequency entries (fetch_all + LRU 19.0 -> 21.8 ms, three layers ahead 24.5 ms;
   fetch_all + LFU 40.9 -> 42.2 and 43.0 ms: slower, the entries are in cache already);
   frequencies as integers where they do not decay (fetch_all + LFU 40.2 and 42.6 ms against
-  40.9-41.7: within the noise).
+  40.9-41.7: within the noise). Measured at 4c33ece and left out (3 processes of 30 repeats
+  each, rule015 + LRU at 31.0-32.2 ms): the walk testing 8 (or 4) candidates at once, their
+  residency gathered into a bit mask and the first taken by its trailing zeros, no branch per
+  candidate (33.1-33.8 ms: slower); the order rows loaded 2 and 3 (or 3 and 4) steps ahead
+  instead of 1 and 2 (31.1-32.7 ms: no gain); the mass buffer at 1,024 or 65,536 steps instead
+  of 4,096 (30.8-31.7 ms: no gain). As probes, not candidates: the walk without its test of the
+  step's marks (30.8-31.8 ms: its stall is not that load) and 1,000 mass bins (30.3-31.1 ms,
+  about 3 %). For fetch_all + LFU (41.3 ms): the frequencies and last uses side by side in one
+  array, an expert's two keys in one cache line (43.2-44.3 ms: slower).
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
