@@ -379,6 +379,22 @@ def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(c
     with pytest.raises(SystemExit) as e:
         main(["--forwards", "0"])
     assert e.value.code == 2 and "--forwards" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--join-units", "-1"])
+    assert e.value.code == 2 and "--join-units" in capsys.readouterr().err
+
+
+def test_the_writer_cost_tool_times_the_joiner_with_its_threads_and_without():
+    """join_ms: units alternately hashed on the joiner's threads and in turn, each unit's part and
+    block removed after it; the threshold is back as it was."""
+    from traces import format as F
+    from traces.capture.writer_cost import join_ms
+
+    before = stray_blocks()
+    times = join_ms(5)
+    assert [len(times["in turn"]), len(times["threads"])] == [3, 2]
+    assert all(0 < ms < 10_000 for v in times.values() for ms in v)
+    assert F.HASH_THREAD_BYTES == 1 << 18 and stray_blocks() == before
 
 
 @pytest.mark.parametrize(("processes", "as_stored"), [(False, False), (True, False), (True, True)])

@@ -60,8 +60,8 @@ from traces.format import ContentHash, TraceMeta, TraceWriter
 
 MAX_AUTO_WORKERS = 8
 # threads of the joiner that hash a unit's large columns while it copies the unit's part: per
-# unit of the small Qwen3-Next shape (3,206 tokens, top-64 logits) the joiner then took 5.6 ms
-# instead of 9.2 ms (2 cores, medians of 18)
+# unit of the small Qwen3-Next shape (3,206 tokens, top-64 logits) the joiner then took 8.7 ms
+# instead of 12.1 ms (2 cores, medians of 30: python -m traces.capture.writer_cost --join-units 60)
 HASH_THREADS = 3
 FINAL_UNIT_TOKENS = 256  # the units left at the close are split among the encoders down to this size
 

@@ -12,6 +12,9 @@ model's thread needs), and the CPU of the writer's processes per unit (from /pro
 untimed pass that starts them; ``--passes`` passes, medians):
 
     python -m traces.capture.writer_cost --forwards 24 --passes 3
+
+``--join-units N`` also times the joiner's work per unit (:func:`join_ms`), with its threads
+hashing the large columns and without, unit by unit alternately.
 """
 from __future__ import annotations
 
@@ -30,6 +33,49 @@ from traces.synth import synth_trace
 LAYERS, EXPERTS, TOP_K, TOP_R, FORWARD, WINDOW, UNIT = 8, 512, 10, 64, 8192, 512, 3206
 
 
+def _stored_rows(tokens: int) -> tuple:
+    """(meta, columns) of ``tokens`` synthetic tokens of the shape, as moe-capture stores them."""
+    meta, ch = synth_trace(tokens=tokens, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, seed=0, logits="full",
+                           seq_tokens=WINDOW, prompt_tokens=WINDOW, prompt_share=1.0)
+    meta = replace(meta, logits_top_r=TOP_R)
+    ids = np.argsort(-ch.logits, axis=-1, kind="stable")[..., :TOP_R]
+    rows = dict(seq=ch.seq, pos=ch.pos, phase=ch.phase, experts=ch.experts.astype(np.int16), weights=ch.gates,
+                logits=np.take_along_axis(ch.logits, ids, -1).astype(np.float16), logit_ids=ids.astype(np.int16),
+                token_id=ch.token_id, nll=ch.nll)
+    return meta, {k: v for k, v in rows.items() if v is not None}
+
+
+def join_ms(units: int) -> dict[str, list[float]]:
+    """Wall ms of the joiner's work on each of ``units`` units (its part copied into the output,
+    its stored columns hashed where an encoder left them), in this process: the large columns
+    hashed on the joiner's threads (``threads``, :meth:`traces.format.ContentHash.submit`) and
+    every column in turn (``in turn``), unit by unit alternately."""
+    from traces import format as F
+    from traces.capture.writer import _Join, _join_request, _stored_block, _write_part
+
+    meta, rows = _stored_rows(UNIT)
+    times: dict[str, list[float]] = {"threads": [], "in turn": []}
+    threshold = F.HASH_THREAD_BYTES
+    state = _Join()
+    with tempfile.TemporaryDirectory() as folder:
+        _join_request(state, ("open", str(Path(folder) / "joined.parquet"), meta))
+        try:
+            for i in range(units):
+                part = Path(folder) / f"unit{i}.parquet"
+                _write_part(part, meta, UNIT, None, rows)
+                request = ("append", str(part), ("block", _stored_block(rows)))
+                mode = "threads" if i % 2 else "in turn"
+                F.HASH_THREAD_BYTES = threshold if mode == "threads" else float("inf")
+                start = time.perf_counter()
+                _join_request(state, request)
+                times[mode].append(1e3 * (time.perf_counter() - start))
+        finally:
+            F.HASH_THREAD_BYTES = threshold
+            _join_request(state, ("end", False))
+            state.pool.shutdown()
+    return times
+
+
 def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...] = ("processes",)) -> dict:
     """Per writer (``processes`` or ``dispatcher``; in turn, pass by pass) and pass: (CPU ms of the
     calling thread in ``write`` per forward, CPU ms of the whole capturing process per forward
@@ -38,14 +84,7 @@ def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...
     from traces.capture.bench import _children_cpu
     from traces.capture.capture import open_writer
 
-    meta, ch = synth_trace(tokens=FORWARD, layers=LAYERS, experts=EXPERTS, top_k=TOP_K, seed=0, logits="full",
-                           seq_tokens=WINDOW, prompt_tokens=WINDOW, prompt_share=1.0)
-    meta = replace(meta, logits_top_r=TOP_R)
-    ids = np.argsort(-ch.logits, axis=-1, kind="stable")[..., :TOP_R]
-    rows = dict(seq=ch.seq, pos=ch.pos, phase=ch.phase, experts=ch.experts.astype(np.int16), weights=ch.gates,
-                logits=np.take_along_axis(ch.logits, ids, -1).astype(np.float16), logit_ids=ids.astype(np.int16),
-                token_id=ch.token_id, nll=ch.nll)
-    rows = {k: v for k, v in rows.items() if v is not None}
+    meta, rows = _stored_rows(FORWARD)
     columns = {k: (v.dtype, v.shape) for k, v in rows.items()}
     out: dict[str, list[tuple[float, float, float]]] = {w: [] for w in writers}
     with tempfile.TemporaryDirectory() as folder:
@@ -81,9 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="encoder processes")
     p.add_argument("--writer", default="processes,dispatcher",
                    help="processes and/or dispatcher (moe-capture's writer), comma-separated: side by side")
+    p.add_argument("--join-units", type=int, default=0,
+                   help="also time the joiner's work per unit over this many units, its threads hashing and not "
+                        "(alternately); 0: not")
     args = p.parse_args(argv)
-    if min(args.forwards, args.passes, args.workers) < 1:
-        p.error("--forwards, --passes and --workers must be at least 1")
+    if min(args.forwards, args.passes, args.workers) < 1 or args.join_units < 0:
+        p.error("--forwards, --passes and --workers must be at least 1, --join-units at least 0")
     writers = tuple(args.writer.split(","))
     bad = [w for w in writers if w not in ("processes", "dispatcher")]
     if bad:
@@ -93,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{writer}: CPU per 8,192-token forward of the writing thread {_listed(thread)} ms, of the "
               f"capturing process {_listed(process)} ms; of the writer's child processes per {UNIT:,}-token "
               f"unit {_listed(children, 1)} ms")
+    if args.join_units:
+        for mode, ms in join_ms(args.join_units).items():
+            print(f"joiner, columns hashed {mode}: wall ms per {UNIT:,}-token unit, median of {len(ms)} "
+                  f"{statistics.median(ms):.2f} (range {min(ms):.2f}-{max(ms):.2f})")
 
 
 def _listed(values, digits: int = 2) -> str:
