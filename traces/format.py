@@ -1069,8 +1069,8 @@ def _to_table(meta: TraceMeta, cols: dict[str, np.ndarray], schema: pa.Schema) -
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-# a column of at least this many bytes is hashed on a thread of its own (ContentHash.submit):
-# below it, handing it over costs about as much as hashing it
+# a column of at least this many bytes is hashed on a thread of its own (ContentHash.submit);
+# smaller ones (a unit's per-token columns: tens of KB) are hashed in less time than a hand-over takes
 HASH_THREAD_BYTES = 1 << 18
 
 
