@@ -386,15 +386,14 @@ def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(c
 
 def test_the_writer_cost_tool_times_the_joiner_with_its_threads_and_without():
     """join_ms: units alternately hashed on the joiner's threads and in turn, each unit's part and
-    block removed after it; the threshold is back as it was."""
-    from traces import format as F
+    block removed after it."""
     from traces.capture.writer_cost import join_ms
 
     before = stray_blocks()
     times = join_ms(5)
     assert [len(times["in turn"]), len(times["threads"])] == [3, 2]
     assert all(0 < ms < 10_000 for v in times.values() for ms in v)
-    assert F.HASH_THREAD_BYTES == 1 << 18 and stray_blocks() == before
+    assert stray_blocks() == before
 
 
 @pytest.mark.parametrize(("processes", "as_stored"), [(False, False), (True, False), (True, True)])
@@ -495,6 +494,9 @@ def test_a_content_hash_fed_on_threads_is_the_one_fed_in_turn(monkeypatch, thres
             for f in futures:
                 f.result()
     assert threaded.hexdigest() == one.hexdigest()
+    without = F.ContentHash(meta)  # no pool: every column here, nothing to wait for
+    assert all(without.submit(blocks(unit, [7]), None) == [] for unit in blocks(cols, [120, 250]))
+    assert without.hexdigest() == one.hexdigest()
     reordered = F.ContentHash(meta)  # the pieces' order within a column counts
     for unit in blocks(cols, [120, 250])[::-1]:
         reordered.update(unit)

@@ -1105,15 +1105,16 @@ class ContentHash:
     def submit(self, pieces: list[dict[str, np.ndarray]], pool) -> list:
         """:meth:`update` with each of ``pieces`` in turn, each column of at least
         :data:`HASH_THREAD_BYTES` hashed on a thread of ``pool`` (a ``concurrent.futures``
-        executor; SHA-256 runs without the GIL), its pieces in order; the rest here. Returns the
-        futures: every one must be done before the arrays change or the next update. The columns'
-        streams are independent, so the digest is :meth:`update`'s."""
+        executor; SHA-256 runs without the GIL), its pieces in order; the rest here, and every
+        column where ``pool`` is None. Returns the futures: every one must be done before the
+        arrays change or the next update. The columns' streams are independent, so the digest is
+        :meth:`update`'s."""
         futures = []
         try:
             for name in pieces[0] if pieces else ():
                 digest = self._columns.setdefault(name, hashlib.sha256())
                 data = [_content_bytes(piece[name]) for piece in pieces]
-                if sum(d.nbytes for d in data) >= HASH_THREAD_BYTES:
+                if pool is not None and sum(d.nbytes for d in data) >= HASH_THREAD_BYTES:
                     futures.append(pool.submit(_feed, digest, data))
                 else:
                     _feed(digest, data)

@@ -50,13 +50,12 @@ def join_ms(units: int) -> dict[str, list[float]]:
     its stored columns hashed where an encoder left them), in this process: the large columns
     hashed on the joiner's threads (``threads``, :meth:`traces.format.ContentHash.submit`) and
     every column in turn (``in turn``), unit by unit alternately."""
-    from traces import format as F
     from traces.capture.writer import _Join, _join_request, _stored_block, _write_part
 
     meta, rows = _stored_rows(UNIT)
     times: dict[str, list[float]] = {"threads": [], "in turn": []}
-    threshold = F.HASH_THREAD_BYTES
     state = _Join()
+    pool = state.pool
     with tempfile.TemporaryDirectory() as folder:
         _join_request(state, ("open", str(Path(folder) / "joined.parquet"), meta))
         try:
@@ -65,14 +64,13 @@ def join_ms(units: int) -> dict[str, list[float]]:
                 _write_part(part, meta, UNIT, None, rows)
                 request = ("append", str(part), ("block", _stored_block(rows)))
                 mode = "threads" if i % 2 else "in turn"
-                F.HASH_THREAD_BYTES = threshold if mode == "threads" else float("inf")
+                state.pool = pool if mode == "threads" else None  # None: every column hashed in turn
                 start = time.perf_counter()
                 _join_request(state, request)
                 times[mode].append(1e3 * (time.perf_counter() - start))
         finally:
-            F.HASH_THREAD_BYTES = threshold
             _join_request(state, ("end", False))
-            state.pool.shutdown()
+            pool.shutdown()
     return times
 
 
