@@ -5,8 +5,8 @@ launch-bound forward's pace), then the pass's end (the device synchronised; for 
 file closed). Rounds in turn, every other one reversed, as the bench runs them.
 
 From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/forward_times.py [ROUNDS] [TOKENS]``
-(writes DIR/forward_times.json; ``DEVICE=cpu`` for a dry run). Not yet run on a GPU host
-(docs/CAPTURE.md, 2026-12-06).
+(writes DIR/forward_times.json; ``DEVICE=cpu`` for a dry run). Result of run 1206c:
+docs/capture/forward_times_1206c.json (docs/CAPTURE.md).
 """
 import argparse
 import json
