@@ -353,8 +353,16 @@ def test_run_capture_writes_a_trace_and_refuses_to_overwrite(tmp_path):
         input=InputConfig(paths=[str(tmp_path / "text"), str(tmp_path / "more.jsonl")], window_tokens=64, min_window_tokens=2),
         out=str(tmp_path / "t.parquet"), batch_size=2, progress=False,
     )
-    stats = run_capture(cfg)
+    import traces.capture.capture as C
+
+    expected, real_open = [], C.open_writer
+    C.open_writer = lambda *a, **k: (expected.append(a[6]), real_open(*a, **k))[1]
+    try:
+        stats = run_capture(cfg)
+    finally:
+        C.open_writer = real_open
     assert stats["tokens"] == 200 + 95 and stats["layers"] == 2
+    assert expected == [stats["tokens"]]  # the writer knows which write is the last
     trace = open_trace(cfg.out)
     assert trace.meta.layer_ids == [1, 2] and trace.meta.domains == ["prose", "code"]
     assert trace.meta.has_logits and trace.meta.source == "capture"

@@ -73,6 +73,23 @@ def test_rows_not_in_a_slab_are_written_too(tmp_path):
     assert_same_trace(one, tmp_path / "many.parquet")
 
 
+def test_the_dispatcher_s_writer_cuts_the_units_of_the_expected_last_write(tmp_path):
+    """``expected_tokens`` reaches the writer in the dispatcher: the write that reaches 1,100
+    tokens cuts its 700 pending tokens into one unit per encoder (350 each) instead of a whole unit
+    and a rest that the close cuts (down to FINAL_UNIT_TOKENS, 256)."""
+    from test_capture_writer import row_group_tokens
+
+    meta, cols = trace_columns(tokens=1100)
+    one, _ = single(tmp_path, cols, meta)
+    for expected, sizes in [(None, [400, 400, 256, 44]), (1100, [400, 350, 350])]:
+        path = tmp_path / f"many{expected}.parquet"
+        with D.DispatchedTraceWriter(path, meta, unit_tokens=400, workers=2, expected_tokens=expected) as writer:
+            for piece in blocks(cols, [100, 750]):
+                writer.write(**piece)
+        assert row_group_tokens(path, meta) == sizes
+        assert_same_trace(one, path)
+
+
 def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path):
     """The dispatcher's error reaches the capture as the same one line a single writer gives, and
     no file is left; a producer waiting for a slab is woken by it."""

@@ -40,6 +40,39 @@ def blocks(cols, cuts):
     return [{k: v[a:b] for k, v in cols.items()} for a, b in zip(edges, edges[1:], strict=False)]
 
 
+def row_group_tokens(path, meta) -> list[int]:
+    md = pq.ParquetFile(path).metadata
+    return [md.row_group(i).num_rows // meta.num_layers for i in range(md.num_row_groups)]
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_the_write_that_reaches_the_expected_tokens_cuts_its_units_for_the_close(tmp_path, monkeypatch, processes):
+    """With ``expected_tokens``, the write that reaches them cuts all that is pending into one
+    unit per encoder at once (as the close would cut what is left); a number the writes never
+    reach changes nothing, one they pass early leaves the rest to whole units and the close. The
+    file's rows and content hash are a single writer's every time."""
+    from traces.capture import writer as W
+
+    monkeypatch.setattr(W, "FINAL_UNIT_TOKENS", 10)
+    meta, cols = trace_columns()  # 300 tokens, written as 3, 47, 1, 149 and 100
+    with TraceWriter(tmp_path / "one.parquet", meta) as writer:
+        writer.write(**cols)
+    one = read_trace(tmp_path / "one.parquet")
+    for expected, sizes in [(None, [64] * 4 + [15, 15, 14]), (1000, [64] * 4 + [15, 15, 14]),
+                            (300, [64] * 3 + [36] * 3), (250, [64] * 3 + [36] * 3),
+                            (200, [64] * 3 + [8, 64, 12, 12, 12])]:
+        path = tmp_path / f"many{expected}.parquet"
+        with ParallelTraceWriter(path, meta, unit_tokens=64, workers=3, processes=processes,
+                                 expected_tokens=expected) as writer:
+            for block in blocks(cols, [3, 50, 51, 200]):
+                writer.write(**block)
+        assert row_group_tokens(path, meta) == sizes, expected
+        many = read_trace(path)
+        for name in ("seq", "pos", "experts", "gates", "logits", "lookahead_ids"):
+            np.testing.assert_array_equal(getattr(one[1], name), getattr(many[1], name), err_msg=name)
+        assert recorded_content_hash(path) == recorded_content_hash(tmp_path / "one.parquet")
+
+
 def test_the_units_left_at_the_close_are_split_among_the_encoders(tmp_path, monkeypatch):
     """What is pending at the close is cut into one unit per encoder (not below FINAL_UNIT_TOKENS),
     so the close waits for a part of a unit, not a whole one; the file is the same."""

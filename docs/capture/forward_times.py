@@ -87,7 +87,7 @@ def capture() -> Marks:
     meta = build_meta(model, sites, name, domains, cfg, {}, probs)
     with tempfile.TemporaryDirectory() as tmp:
         with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, cfg.writer, cfg.unit_tokens,
-                         batch_tokens(cfg)) as w:
+                         batch_tokens(cfg), sum(len(x.tokens) for x in windows)) as w:
             marks.times[0] = time.perf_counter()  # the writer open (its fixed cost) left out, as above
             capture_windows(model, sites, windows, cfg, lambda rows: w.write(**rows.columns()), progress=marks,
                             logits_are_probs=probs, block=w.block if cfg.shared_rows else None)

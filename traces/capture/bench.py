@@ -161,7 +161,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         meta = build_meta(model, sites, name, domains, cfg, {}, probs)
         with tempfile.TemporaryDirectory() as tmp:
             with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, writer, cfg.unit_tokens,
-                             batch_tokens(cfg)) as w:
+                             batch_tokens(cfg), tokens) as w:
                 opens[writer, stream, kernel].append(time.perf_counter() - start)
                 units[writer, stream, kernel].append(w.unit_tokens)
                 stats = capture_windows(model, sites, windows, recording(stream, kernel),

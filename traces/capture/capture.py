@@ -543,7 +543,8 @@ def _progress(enabled: bool | None, total: int):
 
 
 def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer: str = "dispatcher",
-                unit_tokens: int = 0, batch_tokens: int = 0) -> ParallelTraceWriter | DispatchedTraceWriter:
+                unit_tokens: int = 0, batch_tokens: int = 0,
+                expected_tokens: int | None = None) -> ParallelTraceWriter | DispatchedTraceWriter:
     """The capture's trace writer: row groups smaller than the format's default, encoded in parallel.
 
     Row groups are encoded by the writer's encoders while the GPU runs the next batches; with
@@ -552,12 +553,16 @@ def open_writer(path: Path, meta: TraceMeta, workers: int | None = None, writer:
     hundreds of times a second (:data:`UNIT_FRACTIONS`). ``workers`` None or 0: :func:`~traces.capture.writer.default_workers`;
     ``writer``: encoders in child ``processes`` or in ``threads`` of this process, or the whole
     writer in a ``dispatcher`` process (:mod:`traces.capture.dispatch`); ``unit_tokens``:
-    tokens per row group, 0: :func:`auto_unit_tokens` of ``batch_tokens`` (one forward's).
+    tokens per row group, 0: :func:`auto_unit_tokens` of ``batch_tokens`` (one forward's);
+    ``expected_tokens``: the tokens the capture will write, where known (the last write then cuts
+    its units small for the close: :class:`~traces.capture.writer.ParallelTraceWriter`).
     """
     unit = unit_tokens or auto_unit_tokens(meta, batch_tokens)
     if writer == "dispatcher":
-        return DispatchedTraceWriter(path, meta, unit_tokens=unit, workers=workers or None)
-    return ParallelTraceWriter(path, meta, unit_tokens=unit, workers=workers or None, processes=writer == "processes")
+        return DispatchedTraceWriter(path, meta, unit_tokens=unit, workers=workers or None,
+                                     expected_tokens=expected_tokens)
+    return ParallelTraceWriter(path, meta, unit_tokens=unit, workers=workers or None, processes=writer == "processes",
+                               expected_tokens=expected_tokens)
 
 
 def pins_threads(cfg: CaptureConfig, device: torch.device) -> bool:
@@ -691,7 +696,7 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
     remove_orphans(out.parent)  # unit files of a capture that was killed
     start = time.perf_counter()
     with isolated(pins_threads(cfg, model.device)), \
-            open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg)) as writer, \
+            open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg), total) as writer, \
             _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
                                 probs, block=writer.block if cfg.shared_rows else None)

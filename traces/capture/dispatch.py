@@ -72,7 +72,8 @@ class DispatchedTraceWriter:
     dispatcher process; the same calls: :meth:`block`, :meth:`write`, :meth:`close`,
     :meth:`abort`, a context manager that leaves no file at ``path`` on an error."""
 
-    def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None):
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None,
+                 expected_tokens: int | None = None):
         self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers)
         self.num_tokens = 0
         self._max_lent = unit_tokens * (LENT_UNITS_PER_WORKER * self.workers + LENT_UNITS_MORE)
@@ -85,7 +86,7 @@ class DispatchedTraceWriter:
         self._ended: BaseException | None = None  # the dispatcher's error at close
         self._died = False  # the dispatcher exited before it answered the close
         self._child = _take(_Dispatcher)
-        self._child.send(("open", str(self.path), meta, unit_tokens, self.workers))
+        self._child.send(("open", str(self.path), meta, unit_tokens, self.workers, expected_tokens))
         kind, value = self._receive()
         if kind != "opened":
             (self._child.close if kind == "exited" else lambda: _give_back(self._child))()
@@ -226,7 +227,7 @@ def _mapped(path: str, size: int) -> Slab:
 
 
 def _serve() -> None:
-    """The dispatcher's loop: ``("open", path, meta, unit_tokens, workers)`` -> "opened";
+    """The dispatcher's loop: ``("open", path, meta, unit_tokens, workers, expected_tokens)`` -> "opened";
     ``("rows", tokens, path, size, layout)`` and ``("arrays", columns)`` written, no answer (the
     first error is sent as "error"); ``("close",)``/``("abort",)`` -> ("closed", error or None).
     A slab all of whose rows are in the output is sent back as ("free", path)."""
@@ -250,9 +251,10 @@ def _serve() -> None:
         kind = request[0]
         try:
             if kind == "open":
-                _, path, meta, unit_tokens, workers = request
+                _, path, meta, unit_tokens, workers, expected_tokens = request
                 writer = ParallelTraceWriter(path, meta, unit_tokens, workers, processes=True,
-                                             give_slab=lambda slab: tell("free", slab.path))
+                                             give_slab=lambda slab: tell("free", slab.path),
+                                             expected_tokens=expected_tokens)
                 failed = False
                 tell("opened")
             elif kind in ("close", "abort"):

@@ -539,11 +539,18 @@ class ParallelTraceWriter:
     Units and the growing output are hidden files beside ``path``, which the output replaces
     when ``close`` completes it. An exception inside the ``with`` block, or in a worker, leaves
     no file at ``path`` and no hidden files.
+
+    ``expected_tokens`` (optional): the tokens the caller will write in all, where it knows them.
+    The ``write`` that reaches them cuts everything pending into one unit per encoder at once, as
+    ``close`` cuts what is left, so that the close waits for parts of units, not for the whole
+    units that last write would queue. A wrong number costs nothing but that: with fewer tokens
+    the close cuts as before, with more the writer goes on in whole units.
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None,
-                 processes: bool = False, give_slab=None):
+                 processes: bool = False, give_slab=None, expected_tokens: int | None = None):
         self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers)
+        self.expected_tokens = expected_tokens
         self._processes = processes
         self.num_tokens = 0
         self._pending: list[dict[str, np.ndarray]] = []
@@ -631,7 +638,9 @@ class ParallelTraceWriter:
         self.num_tokens += n
         self._pending.append(cols)
         self._pending_tokens += n
-        if self._pending_tokens >= self.unit_tokens:
+        if self.expected_tokens is not None and self.num_tokens - n < self.expected_tokens <= self.num_tokens:
+            self._dispatch(final=True)  # the last write (as the caller expects): cut for the close
+        elif self._pending_tokens >= self.unit_tokens:
             self._dispatch(final=False)
 
     def _dispatch(self, final: bool) -> None:
