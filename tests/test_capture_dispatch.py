@@ -195,3 +195,59 @@ def test_blocks_larger_than_the_lending_bound_do_not_wait_for_ever(tmp_path):
     producer.join(timeout=120)
     assert not producer.is_alive()
     assert_same_trace(one, path)
+
+
+def test_a_capture_killed_outright_leaves_no_files_and_no_shared_memory(tmp_path):
+    """The capturing process killed with SIGKILL mid-file (no clean-up of its own): the dispatcher
+    sees its input end, aborts without a traceback (no one to tell), removes the hidden files and
+    the slabs the dead process lent; its encoders and joiner exit too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(root / 'tests')!r})
+from test_capture_writer import blocks, trace_columns
+from traces.capture import dispatch as D, writer as W
+meta, cols = trace_columns(tokens=1100)
+w = D.DispatchedTraceWriter({str(tmp_path / 't.parquet')!r}, meta, unit_tokens=64, workers=2)
+for piece in blocks(cols, [100, 400, 700]):
+    b = w.block({{n: (v.dtype, v.shape) for n, v in piece.items()}})
+    for n, v in piece.items():
+        b.views[n][...] = v
+    w.write(**b.views)
+print(w._child.proc.pid, *(s.path for s in W._SLABS), flush=True)
+time.sleep(120)
+"""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    dispatcher, *slabs = proc.stdout.readline().split()
+    assert slabs and all(Path(s).exists() for s in slabs)
+    assert all(Path(s).name.startswith(f"{W.SHARED_PREFIXES[1]}{proc.pid}-") for s in slabs)
+    proc.kill()
+    _, err = proc.communicate(timeout=60)  # stderr's end: the dispatcher and its children have exited
+    assert not alive(int(dispatcher))
+    assert "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+    assert not [s for s in slabs if Path(s).exists()]
+
+
+def test_shared_files_of_processes_that_no_longer_run_are_swept(tmp_path):
+    """Shared files named for a process that has exited are removed; this process's, a live
+    process's and other files are kept."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    gone = int(dead.stdout)
+    names = [f"{W.SHARED_PREFIXES[1]}{gone}-a", f"{W.SHARED_PREFIXES[0]}{gone}-b", f"{W.SHARED_PREFIXES[1]}{os.getpid()}-c",
+             f"{W.SHARED_PREFIXES[1]}{os.getppid()}-d", f"{W.SHARED_PREFIXES[1]}x-e", "other-1-f"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = W.remove_orphan_shared(str(tmp_path))
+    assert sorted(p.name for p in removed) == sorted(names[:2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

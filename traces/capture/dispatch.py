@@ -230,14 +230,24 @@ def _serve() -> None:
     """The dispatcher's loop: ``("open", path, meta, unit_tokens, workers, expected_tokens)`` -> "opened";
     ``("rows", tokens, path, size, layout)`` and ``("arrays", columns)`` written, no answer (the
     first error is sent as "error"); ``("close",)``/``("abort",)`` -> ("closed", error or None).
-    A slab all of whose rows are in the output is sent back as ("free", path)."""
+    A slab all of whose rows are in the output is sent back as ("free", path).
+
+    At the end of its input (the capturing process closed it, or was killed) a writer still open
+    is aborted, its hidden files removed; where the capturing process is gone, nothing is told
+    any more, and the slabs it lent, which it can no longer remove, are removed here."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     lock = threading.Lock()
+    capturing, gone = os.getppid(), [False]
 
     def tell(kind: str, value=None) -> None:
         with lock:
-            pickle.dump((kind, value), stdout, protocol=pickle.HIGHEST_PROTOCOL)
-            stdout.flush()
+            if gone[0]:
+                return
+            try:
+                pickle.dump((kind, value), stdout, protocol=pickle.HIGHEST_PROTOCOL)
+                stdout.flush()
+            except (BrokenPipeError, ValueError):  # the capturing process is gone: no one to tell
+                gone[0] = True
 
     writer: ParallelTraceWriter | None = None
     failed = False
@@ -247,6 +257,9 @@ def _serve() -> None:
         except EOFError:
             if writer is not None:
                 writer.abort()
+            if os.getppid() != capturing:  # handed to another parent: the capturing process died
+                for slab in _MAPPED.values():
+                    slab.close(unlink=True)
             return
         kind = request[0]
         try:

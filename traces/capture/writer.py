@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.atomic import temp_path
+from traces.atomic import pid_alive, temp_path
 from traces.capture.concat import ParquetJoin, read_footer
 from traces.capture.cores import leave_model_core
 from traces.errors import InputError
@@ -81,13 +81,46 @@ def _reserve(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
 
 
-class _Shared:
-    """A file in shared memory (/dev/shm where there is one), mapped; both processes map it by path."""
+SHARED_PREFIXES = ("moe-trace-encoder-", "moe-trace-rows-")  # then the creating process's id, "-"
+_SWEPT = [False]  # this process has removed the shared files of dead ones (:func:`remove_orphan_shared`)
 
-    def __init__(self, nbytes: int, path: str | None = None, prefix: str = "moe-trace-encoder-"):
+
+def _shared_folder() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def remove_orphan_shared(folder: str | None = None) -> list[Path]:
+    """Remove the shared-memory files (:data:`SHARED_PREFIXES`) of processes that no longer run:
+    a capture killed outright (SIGKILL, out of memory) runs no clean-up of its own. Returns the
+    removed paths."""
+    removed = []
+    folder = folder or _shared_folder() or tempfile.gettempdir()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        prefix = next((p for p in SHARED_PREFIXES if name.startswith(p)), None)
+        pid = name[len(prefix):].split("-", 1)[0] if prefix else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(Path(folder, name))
+            except OSError:
+                pass
+    return removed
+
+
+class _Shared:
+    """A file in shared memory (/dev/shm where there is one), mapped; both processes map it by path.
+    Its name holds the id of the process that made it (:func:`remove_orphan_shared`)."""
+
+    def __init__(self, nbytes: int, path: str | None = None, prefix: str = SHARED_PREFIXES[0]):
         if path is None:
-            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            fd, path = tempfile.mkstemp(prefix=prefix, dir=folder)
+            if not _SWEPT[0]:
+                _SWEPT[0] = True
+                remove_orphan_shared()
+            fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=_shared_folder())
             try:
                 _reserve(fd, nbytes)
             except OSError:
@@ -130,7 +163,7 @@ class Slab(_Shared):
     ``on_close``) does so once."""
 
     def __init__(self, nbytes: int, path: str | None = None):
-        super().__init__(nbytes, path, prefix="moe-trace-rows-")  # with ``path``: another process's slab
+        super().__init__(nbytes, path, prefix=SHARED_PREFIXES[1])  # with ``path``: another process's slab
         self._bytes = np.frombuffer(self.map, np.uint8)  # holds the mapping's address
         self.address = self._bytes.ctypes.data
         self.pinned: bool | None = None  # the producer's registration: None not tried, False failed
