@@ -252,7 +252,15 @@ NOTES = """\
   about 3 %). For fetch_all + LFU (41.3 ms): the frequencies and last uses side by side in one
   array, an expert's two keys in one cache line (43.2-44.3 ms: slower); `last_use` and the
   heap's stored last uses both as int32, 196 KB less state (41.0-41.9 ms against 41.2-42.1:
-  no gain).
+  no gain). Where rule015 + LRU's time goes (at 087fa2f, 3 rounds of 10 repeats, alternating,
+  the same 4,096 tokens): with `policy.tau=0` (the rule's kernel, every miss fetched) 19.5-19.8
+  ms, as fetch_all + LRU (19.4-20.6); with `policy.tau=1e-9` (misses may be left, none is: no
+  substitution) 22.6-24.0 ms; with `policy.tau=0.05` (8,003 substitutions) 23.8-25.1 ms;
+  rule015 (542,314) 31.1-31.8 ms. So about 4 ms of the 11-12 ms is the kernel that can leave a
+  miss, before any substitution, and 7-8 ms the substitutions (about 14 ns each). Tried on the
+  4 ms and left out: the rule without its short-circuit, `(rank < r) | (gate >= tau)`, one
+  branch (tau=1e-9 24.0-25.4 ms: no gain); the substitute's walk not inlined into the kernel
+  (tau=1e-9 22.6-22.8 ms, rule015 31.1-31.5: within the noise).
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
