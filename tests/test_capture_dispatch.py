@@ -88,6 +88,8 @@ def test_the_dispatcher_s_writer_cuts_the_units_of_the_expected_last_write(tmp_p
                 writer.write(**piece)
         assert row_group_tokens(path, meta) == sizes
         assert_same_trace(one, path)
+    with pytest.raises(ValueError, match="expected_tokens must be None or >= 1, got -1"):
+        D.DispatchedTraceWriter(tmp_path / "t.parquet", meta, unit_tokens=400, expected_tokens=-1)
 
 
 def test_a_bad_unit_fails_the_whole_file_naming_it(tmp_path):

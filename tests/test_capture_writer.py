@@ -71,6 +71,8 @@ def test_the_write_that_reaches_the_expected_tokens_cuts_its_units_for_the_close
         for name in ("seq", "pos", "experts", "gates", "logits", "lookahead_ids"):
             np.testing.assert_array_equal(getattr(one[1], name), getattr(many[1], name), err_msg=name)
         assert recorded_content_hash(path) == recorded_content_hash(tmp_path / "one.parquet")
+    with pytest.raises(ValueError, match="expected_tokens must be None or >= 1, got 0"):
+        ParallelTraceWriter(tmp_path / "zero.parquet", meta, unit_tokens=64, expected_tokens=0)
 
 
 def test_the_units_left_at_the_close_are_split_among_the_encoders(tmp_path, monkeypatch):

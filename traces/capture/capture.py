@@ -696,7 +696,7 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
     remove_orphans(out.parent)  # unit files of a capture that was killed
     start = time.perf_counter()
     with isolated(pins_threads(cfg, model.device)), \
-            open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg), total) as writer, \
+            open_writer(out, meta, cfg.writers, cfg.writer, cfg.unit_tokens, batch_tokens(cfg), total or None) as writer, \
             _progress(cfg.progress, total) as bar:
         stats = capture_windows(model, sites, windows, cfg, lambda rows: writer.write(**rows.columns()), bar,
                                 probs, block=writer.block if cfg.shared_rows else None)

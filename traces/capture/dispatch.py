@@ -74,7 +74,8 @@ class DispatchedTraceWriter:
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None,
                  expected_tokens: int | None = None):
-        self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers)
+        self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers,
+                                                                                expected_tokens)
         self.num_tokens = 0
         self._max_lent = unit_tokens * (LENT_UNITS_PER_WORKER * self.workers + LENT_UNITS_MORE)
         self._lent: dict[str, tuple[Slab, int]] = {}  # slab path -> (slab, tokens) until the dispatcher frees it
@@ -258,8 +259,9 @@ def _serve() -> None:
             if writer is not None:
                 writer.abort()
             if os.getppid() != capturing:  # handed to another parent: the capturing process died
-                for slab in _MAPPED.values():
-                    slab.close(unlink=True)
+                for path in _MAPPED:  # removed by name; the maps go with this process
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
             return
         kind = request[0]
         try:

@@ -552,14 +552,18 @@ def _remove_unit_files(request: tuple | None) -> None:
             Path(located[0]).unlink(missing_ok=True)
 
 
-def checked_settings(path, meta: TraceMeta, unit_tokens: int, workers: int | None) -> tuple[Path, TraceMeta, int, int]:
-    """A parallel writer's (path, meta, unit tokens, workers), checked before anything starts."""
+def checked_settings(path, meta: TraceMeta, unit_tokens: int, workers: int | None,
+                     expected_tokens: int | None = None) -> tuple[Path, TraceMeta, int, int]:
+    """A parallel writer's (path, meta, unit tokens, workers), checked before anything starts
+    (``expected_tokens`` too: None or at least 1)."""
     path = Path(path)
     meta.check(str(path))
     if not path.parent.is_dir():
         raise InputError(f"{path}: directory {path.parent} does not exist; create it first")
     if unit_tokens < 1:
         raise ValueError(f"unit_tokens must be >= 1, got {unit_tokens}")
+    if expected_tokens is not None and expected_tokens < 1:
+        raise ValueError(f"expected_tokens must be None or >= 1, got {expected_tokens}")
     return path, meta, unit_tokens, workers or default_workers()
 
 
@@ -582,7 +586,8 @@ class ParallelTraceWriter:
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, unit_tokens: int, workers: int | None = None,
                  processes: bool = False, give_slab=None, expected_tokens: int | None = None):
-        self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers)
+        self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers,
+                                                                                expected_tokens)
         self.expected_tokens = expected_tokens
         self._processes = processes
         self.num_tokens = 0
