@@ -419,6 +419,21 @@ def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(c
     assert e.value.code == 2 and "--join-units" in capsys.readouterr().err
 
 
+def test_the_writer_cost_tool_times_the_close_told_the_tokens_and_not(capsys):
+    """close_ms: paced passes, alternately with the writer told the pass's tokens; every file
+    closed and removed, no shared blocks left; a negative count is refused."""
+    from traces.capture.writer_cost import close_ms, main
+
+    before = stray_blocks()
+    times = close_ms(passes=3, forwards=2, workers=1, pace_s=0.0)
+    assert [len(times["not told"]), len(times["told"])] == [2, 1]
+    assert all(0 < ms < 60_000 for v in times.values() for ms in v)
+    assert stray_blocks() == before
+    with pytest.raises(SystemExit) as e:
+        main(["--close-passes", "-1"])
+    assert e.value.code == 2 and "--close-passes" in capsys.readouterr().err
+
+
 def test_the_writer_cost_tool_times_the_joiner_with_its_threads_and_without():
     """join_ms: units alternately hashed on the joiner's threads and in turn, each unit's part and
     block removed after it."""

@@ -14,7 +14,9 @@ untimed pass that starts them; ``--passes`` passes, medians):
     python -m traces.capture.writer_cost --forwards 24 --passes 3
 
 ``--join-units N`` also times the joiner's work per unit (:func:`join_ms`), with its threads
-hashing the large columns and without, unit by unit alternately.
+hashing the large columns and without, unit by unit alternately. ``--close-passes N`` times the
+close of N passes of ``--forwards`` paced forwards (:func:`close_ms`), the writer told the
+tokens to come (``expected_tokens``) and not, pass by pass alternately.
 """
 from __future__ import annotations
 
@@ -74,6 +76,43 @@ def join_ms(units: int) -> dict[str, list[float]]:
     return times
 
 
+def _filled(writer, rows: dict[str, np.ndarray], forward: int) -> dict[str, np.ndarray]:
+    """Forward ``forward``'s rows (``rows`` with its sequences' numbers) in the writer's shared
+    memory, as moe-capture's device puts them there; plain arrays where /dev/shm has no room."""
+    block = writer.block({name: (v.dtype, v.shape) for name, v in rows.items()})
+    views = block.views if block else {name: np.empty_like(v) for name, v in rows.items()}
+    for name, view in views.items():
+        view[...] = rows[name]
+    views["seq"] += forward * (FORWARD // WINDOW)
+    return views
+
+
+def close_ms(passes: int, forwards: int, workers: int, pace_s: float = 0.1) -> dict[str, list[float]]:
+    """Wall ms of moe-capture's writer's close (the last write's return to the file closed), told
+    the pass's tokens (``expected_tokens``: the last write cuts its units one per encoder) and not,
+    pass by pass alternately. A forward's rows come every ``pace_s`` seconds, as a model's would,
+    so that the encoders keep up and the close waits for the last write's units, not a backlog."""
+    from traces.capture.capture import open_writer
+
+    meta, rows = _stored_rows(FORWARD)
+    times: dict[str, list[float]] = {"not told": [], "told": []}
+    with tempfile.TemporaryDirectory() as folder:
+        with open_writer(Path(folder) / "warm.parquet", meta, workers, "dispatcher", UNIT) as writer:
+            writer.write(**rows)  # not timed: the processes start, load their kernels
+        for n in range(passes):
+            mode = "told" if n % 2 else "not told"
+            path = Path(folder) / f"pass{n}.parquet"
+            with open_writer(path, meta, workers, "dispatcher", UNIT,
+                             expected_tokens=forwards * FORWARD if mode == "told" else None) as writer:
+                for f in range(forwards):
+                    time.sleep(pace_s)
+                    writer.write(**_filled(writer, rows, f))
+                end = time.perf_counter()
+            times[mode].append(1e3 * (time.perf_counter() - end))
+            path.unlink()
+    return times
+
+
 def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...] = ("processes",)) -> dict:
     """Per writer (``processes`` or ``dispatcher``; in turn, pass by pass) and pass: (CPU ms of the
     calling thread in ``write`` per forward, CPU ms of the whole capturing process per forward
@@ -83,7 +122,6 @@ def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...
     from traces.capture.capture import open_writer
 
     meta, rows = _stored_rows(FORWARD)
-    columns = {k: (v.dtype, v.shape) for k, v in rows.items()}
     out: dict[str, list[tuple[float, float, float]]] = {w: [] for w in writers}
     with tempfile.TemporaryDirectory() as folder:
         for writer_kind in writers:  # not timed: the processes start, load their kernels
@@ -95,11 +133,7 @@ def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...
             with open_writer(Path(folder) / f"pass{n}.parquet", meta, workers, writer_kind, UNIT) as writer:
                 for f in range(forwards):
                     start = time.thread_time()
-                    block = writer.block(columns)  # None where /dev/shm has no room: plain arrays
-                    views = block.views if block else {name: np.empty_like(v) for name, v in rows.items()}
-                    for name, view in views.items():
-                        view[...] = rows[name]
-                    views["seq"] += f * (FORWARD // WINDOW)
+                    views = _filled(writer, rows, f)
                     middle = time.thread_time()
                     writer.write(**views)
                     spent += time.thread_time() - middle
@@ -118,12 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="encoder processes")
     p.add_argument("--writer", default="processes,dispatcher",
                    help="processes and/or dispatcher (moe-capture's writer), comma-separated: side by side")
+    p.add_argument("--close-passes", type=int, default=0,
+                   help="also time the close of this many paced passes, told the tokens to come and not "
+                        "(alternately); 0: not")
     p.add_argument("--join-units", type=int, default=0,
                    help="also time the joiner's work per unit over this many units, its threads hashing and not "
                         "(alternately); 0: not")
     args = p.parse_args(argv)
-    if min(args.forwards, args.passes, args.workers) < 1 or args.join_units < 0:
-        p.error("--forwards, --passes and --workers must be at least 1, --join-units at least 0")
+    if min(args.forwards, args.passes, args.workers) < 1 or min(args.join_units, args.close_passes) < 0:
+        p.error("--forwards, --passes and --workers must be at least 1, --join-units and --close-passes at least 0")
     writers = tuple(args.writer.split(","))
     bad = [w for w in writers if w not in ("processes", "dispatcher")]
     if bad:
@@ -133,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{writer}: CPU per 8,192-token forward of the writing thread {_listed(thread)} ms, of the "
               f"capturing process {_listed(process)} ms; of the writer's child processes per {UNIT:,}-token "
               f"unit {_listed(children, 1)} ms")
+    if args.close_passes:
+        for mode, ms in close_ms(args.close_passes, args.forwards, args.workers).items():
+            print(f"close, the writer {mode} the pass's tokens: wall ms, median of {len(ms)} "
+                  f"{statistics.median(ms):.1f} (range {min(ms):.1f}-{max(ms):.1f})")
     if args.join_units:
         for mode, ms in join_ms(args.join_units).items():
             print(f"joiner, columns hashed {mode}: wall ms per {UNIT:,}-token unit, median of {len(ms)} "
