@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from traces.atomic import atomic_write_text
@@ -34,6 +35,7 @@ from traces.capture.capture import (
     CAPTURE_SWITCH_INTERVAL_S,
     Storage,
     _Drain,
+    _real,
     _routing_parts,
     batch_tokens,
     batches,
@@ -105,12 +107,14 @@ def partial(device_work: bool) -> Marks:
                 B, S = ids.shape
                 lm = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
                 routing = rec.collect(B * S)
-                if device_work:
+                if device_work:  # as teacher_forced: the real token slots where windows are padded
+                    slots = None
                     if mask is not None:
-                        sys.exit("this check needs windows of one length (no padding)")
-                    with drain.beside(*routing.tensors(), lm.logits, input_ids):
-                        dev = _routing_parts(routing, None, storage, None, cfg.top_r_kernel)
-                        dev["nll"] = token_nll(lm.logits, input_ids).reshape(-1)
+                        slots = torch.from_numpy(np.concatenate([b * S + np.arange(n) for b, n in enumerate(lengths)]))
+                        slots = slots.to(model.device)
+                    with drain.beside(*routing.tensors(), lm.logits, input_ids, slots):
+                        dev = _routing_parts(routing, slots, storage, None, cfg.top_r_kernel)
+                        dev["nll"] = _real(token_nll(lm.logits, input_ids).reshape(-1), slots)
                 marks.update()
         _sync(model.device)
     finally:
