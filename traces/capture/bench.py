@@ -201,8 +201,7 @@ def _narrow_enough(width: float, captures: list[str]):
 
 
 def _recording(stream: str, kernel: bool) -> str:
-    where = "a side stream below the model's" if stream == "side_low" else f"the {stream} stream"
-    return f"recording on {where}" + ("" if kernel else ", top-R by sorts")
+    return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts")
 
 
 def _mode(writer: str, stream: str, kernel: bool) -> str:

@@ -71,9 +71,6 @@ UNIT_FRACTIONS = (16, 2)
 # each of them waiting up to Python's default 5 ms (on 2 cores, a busy Python loop beside the
 # encoders slowed them 2.7x at 5 ms, 1.8x at 0.5 ms).
 CAPTURE_SWITCH_INTERVAL_S = 0.0005
-# recording_stream=side_low: the priority of the model's stream (lower numbers are higher; -1 is
-# in every range torch offers), above the drain stream's default 0
-MODEL_STREAM_PRIORITY = -1
 
 
 @dataclass
@@ -613,26 +610,6 @@ def check_config(cfg: CaptureConfig) -> None:
         raise InputError("input.paths is empty; give text files, folders or JSONL files")
 
 
-@contextlib.contextmanager
-def model_stream(device: torch.device, high: bool):
-    """With ``high`` on a GPU, the device work issued inside (the model's forwards, the loop's
-    own) goes to a stream of a higher priority than the drain's (:class:`_Drain`, the default
-    priority, the lowest): where a forward waits for its stream (a host copy of a tensor, a
-    ``nonzero``), the device runs its queued kernels before the recording's. Ordered after the
-    work queued before it, and the work after it after all of it. Elsewhere nothing changes."""
-    if not (high and device.type == "cuda"):
-        yield
-        return
-    before = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device, priority=MODEL_STREAM_PRIORITY)
-    stream.wait_stream(before)
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:
-        before.wait_stream(stream)
-
-
 def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=None,
                     logits_are_probs: bool = False, block=None) -> dict:
     """Record ``windows`` through ``model`` and pass every block of rows to ``write(rows)``.
@@ -649,7 +626,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     missing = None
     if storage.lookahead:
         missing = torch.from_numpy(lookahead_missing(len(sites), storage.lookahead.depth)).to(model.device)
-    drain = _Drain(write, model.device, block=block, side=cfg.recording_stream != "main")
+    drain = _Drain(write, model.device, block=block, side=cfg.recording_stream == "side")
     counted = [0]
 
     def stored(routing: StepRouting, slots: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -665,8 +642,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     start = time.perf_counter()
     try:
         with torch.inference_mode(), RouterRecorder(sites, storage.logits != "none", logits_are_probs,
-                                                    storage.lookahead) as rec, \
-                model_stream(model.device, cfg.recording_stream == "side_low"):
+                                                    storage.lookahead) as rec:
             if cfg.mode == "teacher_forced":
                 teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored, on_tokens)
             else:

@@ -51,7 +51,7 @@ class LookaheadConfig:
 
 
 WRITERS = ("processes", "threads", "dispatcher")  # CaptureConfig.writer
-RECORDING_STREAMS = ("side", "side_low", "main")  # CaptureConfig.recording_stream
+RECORDING_STREAMS = ("side", "main")  # CaptureConfig.recording_stream
 
 
 @dataclass
@@ -81,11 +81,9 @@ class CaptureConfig:
     # (registered with CUDA once per slab); false: through torch's pinned buffers, copied once more
     shared_rows: bool = True
     # where the recording's own device work runs (stacking the layers, the top-R selection, the NLL):
-    # side (a stream of its own, beside the next forward) | side_low (the same, and the model's
-    # forwards on a stream of a higher priority, so that where a forward waits for its stream the
-    # device runs its kernels before the recording's) | main (the model's stream, ahead of the next
-    # forward). Same rows every way; side keeps that work off a forward that waits for its stream
-    # (e.g. when it copies its inputs from pageable memory)
+    # side (a stream of its own, beside the next forward) | main (the model's stream, ahead of the
+    # next forward). Same rows either way; side keeps that work off a forward that waits for its
+    # stream (e.g. when it copies its inputs from pageable memory)
     recording_stream: str = "side"
     # the top-R logits selected by one Triton kernel on a GPU with Triton (traces/capture/top_r.py);
     # false, or where it cannot run: two stable sorts. The same rows either way
