@@ -262,8 +262,8 @@ NOTES = """\
   branch (tau=1e-9 24.0-25.4 ms: no gain); the substitute's walk not inlined into the kernel
   (tau=1e-9 22.6-22.8 ms, rule015 31.1-31.5: within the noise). Measured at cc09f74 for
   fetch_all + LFU and left out (the same 4,096 tokens, processes of 30 repeats alternating with
-  the tree's own): frequencies as float32 and `last_use` as int32 together, 147 KB of state per
-  array less (medians 41.9 -> 41.0 ms, 6 each: about 2 %, and float32 cannot hold the decayed
+  the tree's own): frequencies as float32 and `last_use` as int32 together, 196 KB of state
+  less (medians 41.9 -> 41.0 ms, 6 each: about 2 %, and float32 cannot hold the decayed
   increments); with it, the held sort's `fresh` test left out where nothing arrives in the
   background (41.5 -> 40.5 ms); and the held residents inserted in the step since its pool's
   last trim not tested at all (they are last used in it), with `fresh` read for them only where
