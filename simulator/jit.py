@@ -34,6 +34,9 @@ def jit(fn=None, *, allocates: bool = True, inline: bool = False):
     ``allocates=False``: a kernel or helper that only works in arrays it is given.
     ``inline=True``: a helper on a kernel's hot path with many array arguments, inlined into
     its callers' IR (passing a dozen arrays through a call costs more than the helper's body).
+    Numba compiles an inlined function again at each call site, with everything inlined in it:
+    a large one belongs at few sites (the kernel's trim, the heap's pop), or its kernels take
+    minutes to compile.
     Usable as ``@jit``, ``@jit(...)`` or ``jit(fn, ...)``.
     """
     flags = dict(JIT_FLAGS if allocates else NO_ALLOC_FLAGS, inline="always" if inline else "never")

@@ -235,55 +235,57 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
             t1 = t0 + c.nonexpert_us[layer]
             # the expert phase starts: background transfers completed by t1 become resident,
             # each admitted expert evicted after every other resident not selected in the step
+            # (all of it under the constant: Numba drops the block, and the trim inlined in it,
+            # from the kernels without background transfers before it compiles them)
             x, source = -1, 0
             stored = False
             if BACKGROUND:
                 if link.qstate[Q_LEN] > 0:
                     advance_inline(core.resident, rc, link, t1, s)
                 x, source = next_completion(link, t1)
-            while x >= 0:
-                if not counted:  # the step's selections, before its first arrival's trim
-                    for i in range(K):
-                        y = ix(base + experts[ua, layer, i])
-                        if TRACK_FREQUENCY:
-                            core.freq[y] += inc
-                        core.mark[y] = stamp
-                        if STEP_MARKS:
+                while x >= 0:
+                    if not counted:  # the step's selections, before its first arrival's trim
+                        for i in range(K):
+                            y = ix(base + experts[ua, layer, i])
+                            if TRACK_FREQUENCY:
+                                core.freq[y] += inc
+                            core.mark[y] = stamp
+                            if STEP_MARKS:
+                                _use_step(core, ev, c, y, p, s)
+                        counted = True
+                        stored = True
+                    if STEP_MARKS and not stored:  # the selections' last use (the pass ran before)
+                        for j in range(K if decode else n_unique):
+                            y = ix(base + experts[ua, layer, j]) if decode else ix(core.uniq[j])
                             _use_step(core, ev, c, y, p, s)
-                    counted = True
-                    stored = True
-                if STEP_MARKS and not stored:  # the selections' last use (the pass ran before)
-                    for j in range(K if decode else n_unique):
-                        y = ix(base + experts[ua, layer, j]) if decode else ix(core.uniq[j])
-                        _use_step(core, ev, c, y, p, s)
-                    stored = True
-                lx = ix(c.layer_of[x])
-                if core.resident[x]:  # fetched meanwhile: the copy served nothing
-                    wasted_background(rc, source, c.expert_bytes[lx])
-                else:
-                    px = c.pool_of_layer[lx]
-                    selected = core.mark[x] == stamp
-                    if not STEP_MARKS:
-                        core.mark[x] = stamp
-                    make_resident(core, c, x, lx, px)
-                    if LIST_RESIDENTS:
-                        list_resident(core, x, lx)
-                    core.src[x] = source
-                    if not STEP_MARKS:
-                        core.fresh[x] = FRESH
-                    eviction.on_insert(core, ev, c, x, px, s)
-                    if core.pools[px, BYTES] > core.pools[px, BUDGET]:
-                        _trim_step(core, ev, c, px, step_stamp(s) if STEP_MARKS else stamp)
-                    if STEP_MARKS:  # last used in the step: kept by its own trim, then fresh
-                        if not core.resident[x]:  # its own trim evicted it (all else was kept)
-                            wasted_background(rc, source, c.expert_bytes[lx])
-                        else:
-                            core.fresh[x] = FRESH_SELECTED if selected else FRESH
-                    elif not selected:  # it may serve as a substitute in this step
-                        core.mark[x] = stamp - 1
-                    rc[RunCount.BACKGROUND_ADMISSIONS] += 1
-                    lc[lx, LayerCount.BACKGROUND_ADMISSIONS] += 1
-                x, source = next_completion(link, t1)
+                        stored = True
+                    lx = ix(c.layer_of[x])
+                    if core.resident[x]:  # fetched meanwhile: the copy served nothing
+                        wasted_background(rc, source, c.expert_bytes[lx])
+                    else:
+                        px = c.pool_of_layer[lx]
+                        selected = core.mark[x] == stamp
+                        if not STEP_MARKS:
+                            core.mark[x] = stamp
+                        make_resident(core, c, x, lx, px)
+                        if LIST_RESIDENTS:
+                            list_resident(core, x, lx)
+                        core.src[x] = source
+                        if not STEP_MARKS:
+                            core.fresh[x] = FRESH
+                        eviction.on_insert(core, ev, c, x, px, s)
+                        if core.pools[px, BYTES] > core.pools[px, BUDGET]:
+                            _trim_step(core, ev, c, px, step_stamp(s) if STEP_MARKS else stamp)
+                        if STEP_MARKS:  # last used in the step: kept by its own trim, then fresh
+                            if not core.resident[x]:  # its own trim evicted it (all else was kept)
+                                wasted_background(rc, source, c.expert_bytes[lx])
+                            else:
+                                core.fresh[x] = FRESH_SELECTED if selected else FRESH
+                        elif not selected:  # it may serve as a substitute in this step
+                            core.mark[x] = stamp - 1
+                        rc[RunCount.BACKGROUND_ADMISSIONS] += 1
+                        lc[lx, LayerCount.BACKGROUND_ADMISSIONS] += 1
+                    x, source = next_completion(link, t1)
             if decode:
                 hits = 0
                 fetches = 0
@@ -381,10 +383,9 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                 rc[RunCount.PREFILL_LOOKUPS] += n_unique
                 rc[RunCount.PREFILL_HITS] += hits
             if core.pools[p, BYTES] > core.pools[p, BUDGET]:
-                if STEP_MARKS:
-                    _trim_step(core, ev, c, p, step_stamp(s))
-                else:
-                    _trim_step(core, ev, c, p, NO_STAMP if UNMARKED_DECODE and decode else stamp)
+                # one call site: Numba compiles an inlined function again at each
+                _trim_step(core, ev, c, p, step_stamp(s) if STEP_MARKS
+                           else (NO_STAMP if UNMARKED_DECODE and decode else stamp))
             if decode:
                 if pf.top_p > 0 and layer + pf.distance < L:
                     n = predictor.predict(core, pr, c, ch, a, layer, pf.distance, pf.top_p, pf.buf)

@@ -323,16 +323,13 @@ def heap_victim_held(h, off, p, stamp, key1, key2, mark, held, n_held, fresh):
     if h.trim[2] < 0:
         h.trim[2] = _sort_unmarked_first(held, off, n_held[p], key1, key2, mark, stamp, fresh)
     i = h.trim[3]
-    if i < h.trim[2]:
-        y = held[ix(off + i)]
-        x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, y, fresh)
-        if x >= 0:
-            return x
-        h.trim[3] = i + 1
-        return y
-    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, -1, fresh)
+    y = held[ix(off + i)] if i < h.trim[2] else -1  # the least unmarked held one bounds the pop
+    x = _pop_unmarked(h, off, p, stamp, key1, key2, mark, y, fresh)
     if x >= 0:
         return x
+    if y >= 0:
+        h.trim[3] = i + 1
+        return y
     n = n_held[p]
     best = -1  # position in held of the least key (all marked)
     for j in range(i, n):
