@@ -376,6 +376,21 @@ NOTES = """\
   8 experts and top-2 (Mixtral) the selections alone are 75 % of the logits, so no copy that
   holds them meets +20 %; at 128 experts and top-8 the selections are 19 % and the order of 64
   ids adds 50 %.
+- **Compile time (the JIT start-up's cold row).** Numba compiles a function inlined at its IR
+  level again at each call site, with all it inlines: the LFU kernels spent most of their
+  compile inlining the trim (three sites), which inlines the victim search (two copies of the
+  heap's pop, each with two sifts). Since 7de253f the kernel's trim has one call site per step,
+  the victim search one pop, and the background arrivals' loop sits under its compile-time
+  constant, which Numba prunes before it inlines (a kernel without background transfers no
+  longer compiles an arrival's trim). Cold, one process per tree, an 8-token trace
+  (`simulate` per bench row with an empty `NUMBA_CACHE_DIR`): fetch_all + LFU 48.0 -> 15.1 s,
+  rule015 + LFU 47.2 -> 15.9 s, quality_first 60.3 -> 39.1 s, fetch_all + LRU 9.5 -> 8.1 s,
+  belady 11.9 -> 7.9 s; all rows 185 -> 93 s. The test suite's CPU time (`pytest -n 2`, one run
+  each) fell from 28.3 to 23.8 minutes. Side by side (`docs/bench/trees_side_by_side.py`, 5 processes per tree) the times
+  did not move: fetch_all + LFU 2.40-2.57x -> 2.41-2.56x the minimal kernel, quality_first
+  2.92-3.40x -> 2.92-3.23x. Tried and left out: the heap's comparison and placement, or its
+  sifts, compiled apart and inlined by LLVM (`forceinline`): LFU compiled in 19-26 s, but
+  quality_first ran 3-5 % slower; one sift in the pop: fetch_all + LFU about 4 % slower.
 """
 TARGETS = {
     "fetch_all_lookups_per_s": 50e6,
