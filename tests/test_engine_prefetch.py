@@ -133,7 +133,7 @@ def test_lfu_with_background_arrivals_agrees():
     background (an arrival not selected stays fresh): prefetches and admissions in the same runs,
     against the reference; the runs reach selected arrivals (useful prefetches) and unselected
     ones evicted unused (wasted admissions and prefetch bytes). One predictor: each other one would
-    compile every kernel again (about a minute each), and the predictors have tests of their own."""
+    compile every kernel again (tens of seconds each), and the predictors have tests of their own."""
     useful = wasted = 0
     for seed in range(12):
         rng = np.random.default_rng(13 * 10**6 + seed)
