@@ -269,6 +269,16 @@ NOTES = """\
   last trim not tested at all (they are last used in it), with `fresh` read for them only where
   experts arrive in the background (8 each, on a host whose times moved by a third: minima
   41.7 -> 41.9 ms, no gain). What fetch_all + LFU lacks of 0.5x is 4-8 %.
+  Another structure, probed outside the engine (`docs/bench/lfu_scan_probe.py`, 25 rounds, the
+  same 4,096 tokens and hits): each layer's residents' keys packed in one int64 (selections, last
+  use, id; the step's used ones flagged until its trim), a use one store, a victim the least key
+  of the layer's array, a minimum LLVM vectorises (four lanes of AVX2). Its minimal kernel took
+  2.00x the minimal LRU's time (0.50x the lookups/s; the textbook heap 5.98x), and the engine's
+  fetch_all + LFU 2.14x its fetch_all + LRU's: the engine's LFU is 1.23x the probe where its LRU
+  is 1.15x the minimal one, so the scan could gain at most about 7 %, to about 0.5x. Its victim
+  costs a pass over the pool (128 keys: about 21 ns even from L1; prefetching the next layer's
+  keys gained nothing), so a global pool of thousands of residents would still need the heap.
+  Not built into the engine.
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
