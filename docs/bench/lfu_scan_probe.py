@@ -9,10 +9,10 @@ depth but grows with the pool (here 128 residents a layer).
 
 It runs beside `simulator.yardstick.lru_hits` (the minimal fetch_all + LRU kernel),
 `simulator.yardstick.lfu_hits` (the textbook heap) and the engine's fetch_all + LRU and
-fetch_all + LFU rows, in rounds on the same synthetic trace (the Qwen3-Next shape, 4,096
-tokens, seed 0, per-layer cache at 25 %), checks the hits equal, and prints each one's median
+fetch_all + LFU rows, in rounds on the same synthetic trace (by default the Qwen3-Next shape,
+4,096 tokens, seed 0, per-layer cache at 25 %), checks the hits equal, and prints each one's median
 time and the medians of the rounds' ratios. From the repository root:
-``python docs/bench/lfu_scan_probe.py [--rounds 25]``. Results: the "What substitution and LFU
+``python docs/bench/lfu_scan_probe.py [--rounds 25] [--shape Qwen3-30B-A3B --tokens 8192]``. Results: the "What substitution and LFU
 themselves cost" note of docs/BENCHMARKS.md.
 """
 import argparse
@@ -85,8 +85,9 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="docs/bench/lfu_scan_probe.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--shape", default="Qwen3-Next-80B-A3B", help="a shape of simulator.bench.SHAPES")
     args = p.parse_args()
-    from simulator.bench import POLICIES, _timed, sim_params
+    from simulator.bench import POLICIES, SHAPES, _timed, sim_params
     from simulator.engine import read_options, simulate
     from simulator.trace_cache import cached_source
     from simulator.yardstick import lfu_hits, lru_hits
@@ -94,11 +95,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as work:
         trace = os.path.join(work, "trace.parquet")
-        write_synth_trace(trace, args.tokens, 48, 512, 10, seed=0, logits="full", prompt_share=0.0)
+        shape = {sh.name: sh for sh in SHAPES}.get(args.shape)
+        if shape is None:
+            p.error(f"--shape {args.shape}: choose from {', '.join(sh.name for sh in SHAPES)}")
+        write_synth_trace(trace, args.tokens, shape.layers, shape.experts, shape.top_k, seed=0, logits="full",
+                          prompt_share=0.0)
         source = cached_source(trace, os.path.join(work, "cache"))
         meta = source.meta
         rows = ("fetch_all+lru", "fetch_all+lfu")
-        params = {n: sim_params(meta, POLICIES[n] + ["model=qwen3_next_80b_a3b"]) for n in rows}
+        params = {n: sim_params(meta, POLICIES[n] + [f"model={shape.model}"]) for n in rows}
         lru = params["fetch_all+lru"]
         capacity = int(lru.pool_budget_bytes[0] // int(lru.expert_bytes[0]))
         experts = np.concatenate([c.experts for c in source.iter_chunks(**read_options(lru, source))])
