@@ -87,6 +87,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--shape", default="Qwen3-Next-80B-A3B", help="a shape of simulator.bench.SHAPES")
     args = p.parse_args()
+    if args.rounds < 1 or not 1 <= args.tokens < 1 << (63 - ID_BITS - LAST_BITS - 1):
+        p.error(f"--rounds must be at least 1 and --tokens between 1 and {(1 << 22) - 1:,}: the packed keys hold "
+                "a count of at most 22 bits")
     from simulator.bench import POLICIES, SHAPES, _timed, sim_params
     from simulator.engine import read_options, simulate
     from simulator.trace_cache import cached_source
@@ -121,7 +124,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in runs.items():
                 cpu[name].append(_timed(run)[1])
-    print(f"{experts.size:,} lookups, {capacity} experts a layer, {args.rounds} rounds; hits equal")
+    print(f"{shape.name} shape ({shape.layers} layers, {E} experts, top-{shape.top_k}; expert sizes of model="
+          f"{shape.model}, moe-sim's default hardware profile): synthetic trace (traces.synth, seed 0), {args.tokens:,} "
+          f"decode tokens, {experts.size:,} lookups, per-layer cache of {capacity} experts (25 %); "
+          f"CPU time, medians of {args.rounds} rounds; hits equal")
     for name, xs in cpu.items():
         print(f"{name:26s} {statistics.median(xs) * 1e3:7.1f} ms  {statistics.median(xs) / experts.size * 1e9:6.2f} ns/lookup")
 
