@@ -275,15 +275,15 @@ NOTES = """\
   of the layer's array, a minimum LLVM vectorises (four lanes of AVX2). Its minimal kernel took
   2.00x the minimal LRU's time (0.50x the lookups/s; the textbook heap 5.98x), and the engine's
   fetch_all + LFU 2.14x its fetch_all + LRU's: the engine's LFU is 1.23x the probe where its LRU
-  is 1.15x the minimal one, so the scan could gain at most about 7 %, to about 0.5x. Its victim
-  costs a pass over the pool (128 keys: about 21 ns even from L1; prefetching the next layer's
-  keys gained nothing), so a global pool of thousands of residents would still need the heap.
+  is 1.15x the minimal one (a second run: 1.94x, 2.14x, 1.25x and 1.13x), so the scan could gain
+  at most 7-10 %, to about 0.5x. Its victim costs a pass over the pool (128 keys: about 21 ns
+  even from L1; prefetching the next layer's keys gained nothing), so a global pool of thousands of residents would still need the heap.
   At 32 residents a layer (`--shape Qwen3-30B-A3B --tokens 8192`) the probe took 1.74x the
   minimal LRU's time and the engine's LFU 2.13x its LRU's (1.36x the probe, its LRU 1.08x the
   minimal one): about a fifth to gain there, where the target is not set; at Mixtral's 2 (65,536
   tokens) the engine's LFU is already at 1.35x its LRU. Not built into the engine: it would be a
   second LFU structure chosen at compile time (undecayed, no background arrivals, small pools,
-  counts that fit the key), for at most 7 % on the target's shape.
+  counts that fit the key), for at most 7-10 % on the target's shape.
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
