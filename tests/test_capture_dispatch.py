@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from test_capture_writer import blocks, trace_columns
+from test_capture_writer import blocks, lent_bound, trace_columns, write_in_slabs
 
 from traces.capture import dispatch as D
 from traces.capture import writer as W
@@ -45,18 +45,12 @@ def test_rows_in_slabs_go_as_one_message_per_block_and_the_file_is_one_writers(t
     monkeypatch.setattr(D._Dispatcher, "send", lambda self, request: (sent.append(request), real_send(self, request))[1])
     path = tmp_path / "many.parquet"
     with D.DispatchedTraceWriter(path, meta, unit_tokens=7, workers=1) as writer:
-        for piece in blocks(cols, list(range(10, 600, 10))):
-            block = writer.block({name: (v.dtype, v.shape) for name, v in piece.items()})
-            peak[0] = max(peak[0], writer._lent_tokens)
-            for name, v in piece.items():
-                block.views[name][...] = v
-            lent.add(block.slab)
-            writer.write(**block.views)
+        write_in_slabs(writer, cols, lent, peak)
         assert writer.num_tokens == 600
     rows = [r for r in sent if r[0] == "rows"]
     assert len(rows) == 60 and not [r for r in sent if r[0] == "arrays"]
     assert all(len(pickle.dumps(r)) < 2000 for r in rows)  # where the rows are, not the rows
-    assert peak[0] <= 7 * (D.LENT_UNITS_PER_WORKER + D.LENT_UNITS_MORE)  # 35 tokens: at most 4 blocks of 10
+    assert peak[0] <= lent_bound(7, 1)  # 35 tokens: at most 4 blocks of 10
     assert 1 < len(lent) <= 4 and lent <= set(W._FREE_SLABS)
     assert_same_trace(one, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["many.parquet", "one.parquet"]

@@ -446,6 +446,32 @@ def test_the_writer_cost_tool_times_the_joiner_with_its_threads_and_without():
     assert stray_blocks() == before
 
 
+def write_in_slabs(writer, cols, lent: set, peak: list[int]) -> None:
+    """``cols`` in blocks of 10 tokens, each filled in shared memory the writer lends (``block``);
+    ``lent`` gets the slabs, ``peak[0]`` the most tokens lent at a time."""
+    for piece in blocks(cols, list(range(10, cols["seq"].shape[0], 10))):
+        block = writer.block({name: (v.dtype, v.shape) for name, v in piece.items()})
+        peak[0] = max(peak[0], writer._lent_tokens)
+        for name, v in piece.items():
+            block.views[name][...] = v
+        lent.add(block.slab)
+        writer.write(**block.views)
+
+
+def lent_bound(unit_tokens: int, workers: int) -> int:
+    """The most tokens ``block`` lends at a time where it has lent more than a unit's and a block's."""
+    from traces.capture import writer as W
+
+    return unit_tokens * (W.LENT_UNITS_PER_WORKER * workers + W.LENT_UNITS_MORE)
+
+
+def most_slabs_lent(unit_tokens: int, workers: int, block_tokens: int) -> int:
+    """The most slabs of ``block_tokens`` each lent at a time (so the most a writer makes): ``block``
+    lends a block where the tokens lent then stay within the bound, or where fewer than a unit's and
+    a block's were lent before (the writer may keep them for more rows)."""
+    return max(lent_bound(unit_tokens, workers) // block_tokens, -(-(unit_tokens + block_tokens) // block_tokens))
+
+
 @pytest.mark.parametrize(("processes", "as_stored"), [(False, False), (True, False), (True, True)])
 def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_again(tmp_path, monkeypatch, processes,
                                                                                   as_stored):
@@ -472,22 +498,16 @@ def test_rows_in_lent_shared_memory_are_read_in_place_and_the_memory_is_lent_aga
     monkeypatch.setattr(ParallelTraceWriter, "_appended_pieces", lambda self, pieces: (
         givers.append(threading.current_thread().name) if pieces else None, real_give(self, pieces))[1])
     monkeypatch.setattr(W, "_FREE_SLABS", [])  # the slabs of earlier tests' writers would be lent in turn
-    lent = set()
+    lent, peak = set(), [0]
     path = tmp_path / "lent.parquet"
-    # one encoder: at most 4 units (28 tokens) are queued or being encoded at a time, so at most
-    # 5 blocks of 10 tokens wait for theirs, and the one being filled (with more encoders, units
-    # finished out of order wait for the slower ones and hold their slabs too)
     with ParallelTraceWriter(path, meta, unit_tokens=7, workers=1, processes=processes) as writer:
-        for piece in blocks(cols, list(range(10, 600, 10))):
-            block = writer.block({name: (v.dtype, v.shape) for name, v in piece.items()})
-            for name, v in piece.items():
-                block.views[name][...] = v
-            lent.add(block.slab)
-            writer.write(**block.views)
-    # where the joiner process hashes the rows in the slabs (as_stored), a slab also waits for its
-    # answer, and nothing bounds how far the joiner lags on a loaded machine (8 slabs were seen in
-    # a run beside another test suite): there the test asks only that slabs are lent again
-    assert 1 < len(lent) <= (30 if processes and as_stored else 7)
+        write_in_slabs(writer, cols, lent, peak)
+    # block() waits while the tokens lent would pass the bound (35 for one encoder of 7-token
+    # units), however far the encoder or the joiner (which hashes the rows in the slabs where
+    # they are as stored, and only then frees them) lags behind: at most 3 blocks of 10 at a time,
+    # and a slab freed is lent again before a new one is made
+    assert peak[0] <= lent_bound(7, 1)
+    assert 1 < len(lent) <= most_slabs_lent(7, 1, 10) == 3
     assert lent <= set(W._FREE_SLABS)  # all back after the close
     if processes:
         assert len(sent) == -(-600 // 7)
@@ -574,3 +594,85 @@ def test_the_joiner_hashes_large_columns_on_threads_and_records_the_hash_one_wri
             writer.write(**block)
     assert recorded_content_hash(tmp_path / "many.parquet") == recorded_content_hash(tmp_path / "one.parquet")
     np.testing.assert_array_equal(read_trace(tmp_path / "many.parquet")[1].logits, chunk.logits)
+
+
+def stored_rows(monkeypatch, tmp_path):
+    """A single writer's file of 600 tokens (one.parquet): its meta and its rows as stored (the
+    joiner hashes those in the slabs, and only then are they freed); a fresh pool of slabs."""
+    from traces.capture import writer as W
+
+    meta, cols = trace_columns(tokens=600)
+    with TraceWriter(tmp_path / "one.parquet", meta) as writer:
+        stored = writer.write(**cols)
+    monkeypatch.setattr(W, "_FREE_SLABS", [])  # the slabs of earlier tests' writers would be lent in turn
+    return meta, {name: v.copy() for name, v in stored.items()}
+
+
+def writing_on_a_thread(writer, cols, lent: set, peak: list[int]) -> tuple[threading.Thread, list[BaseException]]:
+    """:func:`write_in_slabs` and the writer's close on a thread, so that a writer that hangs fails
+    the test instead of hanging it; the list gets its error."""
+    errors = []
+
+    def run():
+        try:
+            with writer:
+                write_in_slabs(writer, cols, lent, peak)
+        except BaseException as e:  # noqa: BLE001 - asserted by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def test_a_producer_ahead_of_the_joiner_waits_in_block_within_the_bound(tmp_path, monkeypatch):
+    """The joiner answers nothing for a while (a loaded machine): the slabs it has yet to hash
+    stay lent, and ``block`` waits once the tokens lent reach the bound instead of lending new
+    shared memory; once the joiner answers, the writing goes on and the file, content hash
+    included, is a single writer's."""
+    from traces.capture import writer as W
+
+    meta, cols = stored_rows(monkeypatch, tmp_path)
+    answer = threading.Event()
+    real = W._Joiner.reply
+    monkeypatch.setattr(W._Joiner, "reply", lambda self: (answer.wait(), real(self))[1])
+    before = stray_blocks()
+    lent, peak = set(), [0]
+    path = tmp_path / "lent.parquet"
+    writer = ParallelTraceWriter(path, meta, unit_tokens=7, workers=1, processes=True)
+    thread, errors = writing_on_a_thread(writer, cols, lent, peak)
+    thread.join(1.0)
+    assert thread.is_alive()  # waiting for the joiner: no slab is freed before it answers
+    assert len(lent) <= most_slabs_lent(7, 1, 10)
+    answer.set()
+    thread.join(120)
+    assert not thread.is_alive() and errors == []
+    assert peak[0] <= lent_bound(7, 1)
+    assert 1 < len(lent) <= most_slabs_lent(7, 1, 10) and lent <= set(W._FREE_SLABS)
+    assert recorded_content_hash(path) == recorded_content_hash(tmp_path / "one.parquet") is not None
+    np.testing.assert_array_equal(read_trace(path)[1].logits, read_trace(tmp_path / "one.parquet")[1].logits)
+    assert stray_blocks() == before
+
+
+def test_a_block_waiting_for_a_joiner_that_dies_raises(tmp_path, monkeypatch):
+    """The joiner never gets the units (they stay lent), so ``block`` waits at the bound; the
+    joiner is killed: the waiting ``block`` raises its exit instead of waiting for ever, and
+    nothing is left but the single writer's file."""
+    from traces.capture import writer as W
+
+    meta, cols = stored_rows(monkeypatch, tmp_path)
+    real = W._Joiner.send
+    monkeypatch.setattr(W._Joiner, "send", lambda self, request: None if request[0] == "append" else real(self, request))
+    lent, peak = set(), [0]
+    writer = ParallelTraceWriter(tmp_path / "lent.parquet", meta, unit_tokens=7, workers=1, processes=True)
+    # set where block() waits, before it lets go of the lock: the joiner's error comes after the wait
+    waiting, real_wait = threading.Event(), writer._cond.wait
+    writer._cond.wait = lambda timeout=None: (waiting.set(), real_wait(timeout))[1]
+    thread, errors = writing_on_a_thread(writer, cols, lent, peak)
+    assert waiting.wait(60) and writer._lent_tokens == 30  # 3 blocks of 10 lent, none freed
+    writer._joiner.proc.kill()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and "trace joiner process exited" in str(errors[0])
+    assert len(lent) == 3 and lent <= set(W._FREE_SLABS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.parquet"]

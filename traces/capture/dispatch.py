@@ -17,9 +17,11 @@ that waits on the pipe without the interpreter lock).
 Rows that are not in a slab (no /dev/shm, or ``shared_rows`` off) travel through the pipe,
 pickled: correct, but a copy; the ``processes`` writer suits them better.
 
-The number of tokens lent at a time is bounded (:data:`LENT_UNITS_PER_WORKER` units per encoder), so a producer faster
-than the encoders waits in :meth:`DispatchedTraceWriter.block` as it would wait in
-ParallelTraceWriter's queue, instead of growing shared memory without end.
+The number of tokens lent at a time is bounded as in ParallelTraceWriter.block
+(:class:`~traces.capture.writer.BoundedLending`: about :data:`~traces.capture.writer.LENT_UNITS_PER_WORKER` units per encoder), so a producer
+faster than the encoders waits in :meth:`DispatchedTraceWriter.block` instead of growing shared memory without end. The
+bound is kept here, where the slabs are lent: the dispatcher's writer takes each block as it comes
+(:meth:`~traces.capture.writer.ParallelTraceWriter.lend`).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from traces.atomic import remove_orphans
 from traces.capture.writer import (
     _SLAB_LOCK,
     _SLAB_OF_MAP,
+    BoundedLending,
     ParallelTraceWriter,
     RowBlock,
     Slab,
@@ -52,10 +55,6 @@ from traces.capture.writer import (
 )
 from traces.format import TraceMeta
 
-# tokens lent at a time, in units: the dispatcher's queue (2 per encoder), one unit in each
-# encoder, one being cut and one pending
-LENT_UNITS_PER_WORKER, LENT_UNITS_MORE = 3, 2
-
 
 class _Dispatcher(_Child):
     """The child that hosts a ParallelTraceWriter (:func:`_serve`)."""
@@ -67,7 +66,7 @@ class _Dispatcher(_Child):
     session = True
 
 
-class DispatchedTraceWriter:
+class DispatchedTraceWriter(BoundedLending):
     """:class:`~traces.capture.writer.ParallelTraceWriter` (encoders in processes) run by a
     dispatcher process; the same calls: :meth:`block`, :meth:`write`, :meth:`close`,
     :meth:`abort`, a context manager that leaves no file at ``path`` on an error."""
@@ -76,13 +75,9 @@ class DispatchedTraceWriter:
                  expected_tokens: int | None = None):
         self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers,
                                                                                 expected_tokens)
+        super().__init__()
         self.num_tokens = 0
-        self._max_lent = unit_tokens * (LENT_UNITS_PER_WORKER * self.workers + LENT_UNITS_MORE)
         self._lent: dict[str, tuple[Slab, int]] = {}  # slab path -> (slab, tokens) until the dispatcher frees it
-        self._lent_tokens = 0
-        self._max_block = 0  # the most tokens of one block so far
-        self._cond = threading.Condition(threading.RLock())
-        self._error: BaseException | None = None
         self._closed = False
         self._ended: BaseException | None = None  # the dispatcher's error at close
         self._died = False  # the dispatcher exited before it answered the close
@@ -121,18 +116,10 @@ class DispatchedTraceWriter:
                 self._cond.notify_all()
 
     def block(self, columns: dict[str, tuple[np.dtype, tuple]]) -> RowBlock | None:
-        """As :meth:`ParallelTraceWriter.block`; waits while about :data:`LENT_UNITS_PER_WORKER`
+        """As :meth:`ParallelTraceWriter.block`; waits while about :data:`~traces.capture.writer.LENT_UNITS_PER_WORKER`
         units' tokens per encoder are lent (the dispatcher's encoders behind)."""
         tokens = int(next(iter(columns.values()))[1][0])
-        self._max_block = max(self._max_block, tokens)
-        with self._cond:
-            # the dispatcher keeps the tokens after its last whole unit (< unit_tokens, in the last
-            # blocks, at most unit_tokens + a block's) until more come: wait only while some slab
-            # lies wholly before them, so that one is freed without more rows
-            while (self._lent_tokens + tokens > self._max_lent and self._error is None
-                   and self._lent_tokens >= self.unit_tokens + self._max_block):
-                self._cond.wait()
-            self._raise_error()
+        self._wait_to_lend(tokens)
         layout, nbytes = _layout({name: (np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in columns.items()})
         try:
             slab = _lend_slab(nbytes)
@@ -167,10 +154,6 @@ class DispatchedTraceWriter:
             self._lent_tokens -= tokens
         if slab is not None:
             _return_slab(slab)
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
 
     def _end(self, request: str) -> BaseException | None:
         """Send ``request`` ("close" or "abort"), wait for its answer; every slab lent again."""

@@ -34,7 +34,10 @@ registered with CUDA), writes the block's views, and an encoder process is told 
 of its unit lies instead of getting a copy. A slab is lent again once all its tokens are in the
 output; slabs are kept for the process's next writers. On the small Qwen3-Next shape at batch 16
 the capture ran +6.2 % and +7.3 % over the forward alone against +33.6 % and +21.0 % with the
-copy, side by side in two runs on the H200 (a third gave +21.2 %; docs/CAPTURE.md).
+copy, side by side in two runs on the H200 (a third gave +21.2 %; docs/CAPTURE.md). The tokens
+lent at a time are bounded (:class:`BoundedLending`), so a producer ahead of the encoders, or of
+the joiner that hashes the rows in the slabs, waits in ``block`` instead of growing shared memory
+without end.
 """
 from __future__ import annotations
 
@@ -228,6 +231,45 @@ def _slab_of(piece: dict[str, np.ndarray]) -> Slab | None:
             return None
         slab = found
     return slab
+
+
+# tokens lent at a time (:class:`BoundedLending`), in units: the units queue (2 per encoder), one
+# unit in each encoder, one being cut and one pending
+LENT_UNITS_PER_WORKER, LENT_UNITS_MORE = 3, 2
+
+
+class BoundedLending:
+    """The bound on the tokens of slabs lent at a time, a base of the writers that lend them
+    (:meth:`ParallelTraceWriter.block`, :meth:`~traces.capture.dispatch.DispatchedTraceWriter.block`),
+    initialised once their ``unit_tokens`` and ``workers`` are set: about
+    :data:`LENT_UNITS_PER_WORKER` units per encoder. ``_lent_tokens`` counts the tokens of the
+    slabs lent; ``_cond`` is notified when some are given back, or on an error (``_error``)."""
+
+    unit_tokens: int
+    workers: int
+
+    def __init__(self):
+        self._max_lent = self.unit_tokens * (LENT_UNITS_PER_WORKER * self.workers + LENT_UNITS_MORE)
+        self._lent_tokens = 0
+        self._max_block = 0  # the most tokens of one block so far
+        self._cond = threading.Condition(threading.RLock())
+        self._error: BaseException | None = None
+
+    def _wait_to_lend(self, tokens: int) -> None:
+        """Wait while lending ``tokens`` more would pass the bound; re-raises the writer's error."""
+        with self._cond:
+            self._max_block = max(self._max_block, tokens)
+            # the writer keeps the tokens after its last whole unit (< unit_tokens, in the last
+            # blocks, at most unit_tokens + a block's) until more come: wait only while some slab
+            # lies wholly before them, so that one is given back without more rows
+            while (self._lent_tokens + tokens > self._max_lent and self._error is None
+                   and self._lent_tokens >= self.unit_tokens + self._max_block):
+                self._cond.wait()
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def _in_slab(slab: Slab, piece: dict[str, np.ndarray]) -> tuple[str, int, list]:
@@ -567,12 +609,13 @@ def checked_settings(path, meta: TraceMeta, unit_tokens: int, workers: int | Non
     return path, meta, unit_tokens, workers or default_workers()
 
 
-class ParallelTraceWriter:
+class ParallelTraceWriter(BoundedLending):
     """Writes whole tokens to a trace file like :class:`TraceWriter`, encoding row groups in parallel.
 
     ``write`` takes what ``TraceWriter.write`` takes, from one thread, in trace order. Tokens are
     cut into units of ``unit_tokens`` (each becomes one row group) and queued to ``workers``
-    threads; the queue is bounded, so a caller faster than the encoders waits in ``write``.
+    threads; the queue is bounded, so a caller faster than the encoders waits in ``write`` (and
+    in ``block``, where the tokens lent in slabs are bounded: :class:`BoundedLending`).
     Units and the growing output are hidden files beside ``path``, which the output replaces
     when ``close`` completes it. An exception inside the ``with`` block, or in a worker, leaves
     no file at ``path`` and no hidden files.
@@ -588,6 +631,7 @@ class ParallelTraceWriter:
                  processes: bool = False, give_slab=None, expected_tokens: int | None = None):
         self.path, self.meta, self.unit_tokens, self.workers = checked_settings(path, meta, unit_tokens, workers,
                                                                                 expected_tokens)
+        super().__init__()
         self.expected_tokens = expected_tokens
         self._processes = processes
         self.num_tokens = 0
@@ -604,7 +648,6 @@ class ParallelTraceWriter:
         self._appended = 0
         self._queued = 0
         self._last_queued: tuple[int, int] | None = None  # (seq, pos) of the last token queued
-        self._error: BaseException | None = None
         self._cancelled = False  # workers skip what is still queued
         self._closed = False
         self._joiner: _Joiner | None = None  # with encoder processes: appends and hashes
@@ -616,8 +659,7 @@ class ParallelTraceWriter:
                                              daemon=True)
             self._replies.start()
             self._to_joiner(("open", str(self._tmp), meta))
-        self._lent: set[Slab] = set()  # slabs of blocks written (or to be) not yet appended
-        self._slab_lock = threading.Lock()
+        self._lent: dict[Slab, int] = {}  # slabs of blocks written (or to be) not yet appended -> their tokens
         self._give_slab = give_slab or _return_slab  # a slab all of whose tokens are in the output
         self._threads = [threading.Thread(target=self._encode, name=f"trace-encoder-{i}", daemon=True)
                          for i in range(self.workers)]
@@ -629,40 +671,47 @@ class ParallelTraceWriter:
         the tokens. Fill the block's views, then pass them to :meth:`write`. Encoder processes
         read them where they are, so this process does not copy them again (with a device, the
         producer can have the device write them there: :class:`Slab`). The memory is lent until
-        those tokens are in the output. None where the system has no room for it (a small
-        /dev/shm): write plain arrays then."""
+        those tokens are in the output; waits while too many are lent (:class:`BoundedLending`).
+        None where the system has no room for it (a small /dev/shm): write plain arrays then."""
+        tokens = int(next(iter(columns.values()))[1][0])
+        self._wait_to_lend(tokens)
         layout, nbytes = _layout({name: (np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in columns.items()})
         try:
             slab = _lend_slab(nbytes)
         except OSError:
             return None
-        self.lend(slab, int(next(iter(columns.values()))[1][0]))
+        self.lend(slab, tokens)
         return RowBlock(_views(slab.map, layout), slab)
 
     def lend(self, slab: Slab, tokens: int) -> None:
         """``slab`` holds the next ``tokens`` rows to write, and is given back (``give_slab``) once
-        they are all in the output: :meth:`block` of memory from elsewhere (:mod:`traces.capture.dispatch`)."""
-        with self._slab_lock:
+        they are all in the output: :meth:`block` of memory from elsewhere (:mod:`traces.capture.dispatch`).
+        Never waits: the process that lent the slab bounds what it lends."""
+        with self._cond:
             slab.remaining = tokens
-            self._lent.add(slab)
+            self._lent[slab] = tokens
+            self._lent_tokens += tokens
 
     def _appended_pieces(self, pieces: list[dict[str, np.ndarray]]) -> None:
         """Give back the slabs all of whose tokens are in the output now (and hashed)."""
         for piece in pieces:
             slab = _slab_of(piece)
-            with self._slab_lock:
+            with self._cond:
                 if slab not in self._lent:
                     continue
                 slab.remaining -= piece["seq"].shape[0]
                 if slab.remaining > 0:
                     continue
-                self._lent.discard(slab)
+                tokens = self._lent.pop(slab)
             self._give_slab(slab)
+            with self._cond:  # only now: a block() woken finds the slab free
+                self._lent_tokens -= tokens
+                self._cond.notify_all()
 
     def _return_slabs(self) -> None:
         """Every slab still lent (the writer is done with them: workers stopped)."""
-        with self._slab_lock:
-            lent, self._lent = self._lent, set()
+        with self._cond:
+            lent, self._lent, self._lent_tokens = self._lent, {}, 0
         for slab in lent:
             self._give_slab(slab)
 
@@ -706,7 +755,7 @@ class ParallelTraceWriter:
         try:
             encoder = _take(_Encoder) if self._processes else None
         except OSError as e:
-            self._error = e
+            self._fail(e)
         try:
             self._encode_units(encoder)
         finally:
@@ -725,9 +774,9 @@ class ParallelTraceWriter:
                           else _write_part(part, self.meta, self.unit_tokens, after, _joined(pieces)))
                 self._append_in_order(index, (part, stored, pieces))
             except InputError as e:  # bad rows: name the file the caller asked for
-                self._error = InputError(str(e).replace(str(part), str(self.path)))
+                self._fail(InputError(str(e).replace(str(part), str(self.path))))
             except BaseException as e:  # re-raised in the writing thread
-                self._error = e
+                self._fail(e)
 
     def _append_in_order(self, index: int, unit: tuple) -> None:
         """Append every finished unit that comes next (the thread that finishes one does it, or
@@ -765,7 +814,7 @@ class ParallelTraceWriter:
             try:
                 joiner.reply()
             except BaseException as e:  # noqa: BLE001 - re-raised in the writing thread
-                self._error = self._error or e
+                self._fail(e)
                 if joiner.proc.poll() is not None:  # exited: no more answers
                     _remove_unit_files(request)  # the rest: by _remove_files
                     return
@@ -784,7 +833,7 @@ class ParallelTraceWriter:
             self._sent.put((end, None))
             joiner.send(end)
         except RuntimeError as e:
-            self._error = self._error or e
+            self._fail(e)
             self._sent.put(None)
         self._replies.join()
         _give_back(joiner)
@@ -795,9 +844,11 @@ class ParallelTraceWriter:
         for t in self._threads:
             t.join()
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def _fail(self, error: BaseException) -> None:
+        """Keep the first error for the writing thread; a :meth:`block` waiting for slabs raises it."""
+        with self._cond:
+            self._error = self._error or error
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Encode what is pending, finish the output and move it to ``path``."""
