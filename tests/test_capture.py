@@ -851,6 +851,48 @@ def test_bench_overhead_intervals_bracket_the_figures_and_narrow_with_rounds():
         overhead_interval([1.0, 2.0], [1.0])
 
 
+def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_rounds(tmp_path):
+    """Runs of one setting together: the mean of their figures, an interval that is a point where
+    every round of every run has the same ratio, spans the runs where each is steady but they
+    differ, and widens with the noise within runs; ``docs/capture/intervals.py --pooled`` prints
+    it as a last row and refuses runs of different settings with one line."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from traces.capture.bench import pooled_overhead
+
+    assert pooled_overhead([([1.1] * 5, [1.0] * 5)] * 3) == (10.0, [10.0, 10.0])
+    steady = [([1.05] * 5, [1.0] * 5), ([1.15] * 4, [1.0] * 4)]  # two hosts: +5 % and +15 %
+    assert pooled_overhead(steady) == pooled_overhead(steady, by_round=True) == (10.0, [5.0, 15.0])
+    rng = np.random.default_rng(3)
+    noisy = [(list(f * rng.normal(r, 0.05, 9)), list(f)) for r in (1.05, 1.15) for f in [rng.uniform(1, 3, 9)]]
+    point, (low, high) = pooled_overhead(noisy, by_round=True)
+    assert low < 5.0 and high > 15.0 and low <= point <= high
+    with pytest.raises(ValueError, match="at least one run"):
+        pooled_overhead([])
+    with pytest.raises(ValueError, match="one forward time per round"):
+        pooled_overhead([([1.0, 2.0], [1.0])])
+
+    def result(name, batch, ratio):
+        run = {"batch_size": batch, "tokens": 64, "writers": 2, "writer": "dispatcher", "capture_overhead_pct": 0.0,
+               "hooks_overhead_pct": 0.0, "rounds_s": {"forward": [1.0] * 3, "hooks": [1.0] * 3, "capture": [ratio] * 3}}
+        (tmp_path / name).write_text(json.dumps({"model": "m", "gpu": "g", "runs": [run]}))
+        return str(tmp_path / name)
+
+    root = Path(__file__).resolve().parents[1]
+    tool = [sys.executable, str(root / "docs" / "capture" / "intervals.py"), "--pooled"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(tool + [result("a.json", 16, 1.05), result("b.json", 16, 1.15)], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    assert out.splitlines()[-1].startswith("| pooled: 2 runs |") and "+10.0 % (+5.0 to +15.0 %)" in out
+    bad = subprocess.run(tool + [result("a.json", 16, 1.05), result("c.json", 1, 1.15)], capture_output=True, text=True,
+                         env=env)
+    assert bad.returncode != 0 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in batch_size (1, 16); pool runs of '
+                                               'one setting only']
+
+
 def test_bench_rounds_end_early_once_every_capture_interval_is_narrow_enough():
     """``--ci-width``: rounds stop after the first round (from MIN_ROUNDS on) where every capture's
     interval is narrow enough, never before MIN_ROUNDS, and not at all while one is wide; 0 runs

@@ -2,7 +2,9 @@
 rounds of saved results (``python -m traces.capture.bench --out``), as the bench now computes
 them for each new run (``traces.capture.bench.overhead_interval``; results that hold them are
 shown as stored, older ones recomputed from their rounds as saved, to the millisecond). One
-Markdown row per run.
+Markdown row per run; with ``--pooled``, a last row for all of them together
+(``traces.capture.bench.pooled_overhead``: the mean of the runs' figures, its interval drawn over
+runs and then rounds), where every run has the same setting.
 
 From the repository root: ``PYTHONPATH=. python docs/capture/intervals.py docs/capture/bench_1205t_b16.json ...``
 """
@@ -12,17 +14,50 @@ import argparse
 import json
 from pathlib import Path
 
-from traces.capture.bench import _by_round, _span, overhead_interval
+from traces.capture.bench import _by_round, _span, overhead_interval, pooled_overhead
 from traces.errors import InputError
 
 
-def rows(path: Path) -> list[str]:
+def _runs(path: Path) -> list[tuple[dict, dict]]:
+    """(result, run) of each run of a saved result."""
     try:
         bench = json.loads(path.read_text())
-        return [row for r in bench["runs"] if (row := _row(path, bench, r))]
+        return [(bench, r) for r in bench["runs"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path}: not a capture bench result ({type(e).__name__}: {e}); give files written by "
                          "python -m traces.capture.bench --out") from None
+
+
+def rows(path: Path) -> list[str]:
+    return [row for bench, r in _runs(path) if (row := _row(path, bench, r))]
+
+
+SAME = ("model", "batch_size", "tokens", "logits", "lookahead", "writer", "writers", "recording_stream", "shared_rows",
+        "top_r_kernel", "model_cpu")  # what runs pooled must share
+
+
+def pooled_row(paths: list[Path]) -> str:
+    """One Markdown row for the runs of ``paths`` together (they must share one setting)."""
+    runs = [(bench, r) for path in paths for bench, r in _runs(path) if {"forward", "hooks", "capture"} <= r.get(
+        "rounds_s", {}).keys()]
+    if not runs:
+        raise InputError("--pooled: no run holds its rounds; give results written since the bench kept them")
+    for name in SAME:
+        values = {json.dumps((bench if name == "model" else r).get(name)) for bench, r in runs}
+        if len(values) > 1:
+            raise InputError(f"--pooled: the runs differ in {name} ({', '.join(sorted(values))}); pool runs of one "
+                             "setting only")
+    rounds = [r["rounds_s"] for _, r in runs]
+    cap = [(x["capture"], x["forward"]) for x in rounds]
+    point, interval = pooled_overhead(cap)
+    by_round, by_round_interval = pooled_overhead(cap, by_round=True)
+    hooks, hooks_interval = pooled_overhead([(x["hooks"], x["forward"]) for x in rounds])
+    gpus = sorted({bench.get("gpu") or bench.get("device") for bench, _ in runs})
+    bench, r = runs[0]
+    return (f"| pooled: {len(runs)} runs | {', '.join(gpus)} | {bench.get('model')} | {r['batch_size']} | "
+            f"{r.get('writers', '')} {r.get('writer', '')}{_setting(r)} | {sum(len(x['forward']) for x in rounds)} | "
+            f"{point:+.1f} % ({_span(interval)}) | {by_round:+.1f} % ({_span(by_round_interval)}) | "
+            f"{hooks:+.1f} % ({_span(hooks_interval)}) |")
 
 
 def _row(path: Path, bench: dict, r: dict) -> str | None:
@@ -58,8 +93,12 @@ def _setting(r: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path, help="bench results (JSON)")
+    p.add_argument("--pooled", action="store_true",
+                   help="a last row for all the runs together (the mean of their figures; one setting only)")
     args = p.parse_args(argv)
     table = [row for path in args.files for row in rows(path)]
+    if args.pooled:
+        table.append(pooled_row(args.files))
     print("| result | GPU | model | batch | encoders | rounds | capture overhead (95 % interval) | "
           "median round (95 % interval) | recording alone (95 % interval) |")
     print("|---|---|---|---|---|---|---|---|---|")
