@@ -891,6 +891,12 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     assert bad.returncode != 0 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in batch_size (1, 16); pool runs of '
                                                'one setting only']
+    short = json.loads((tmp_path / "a.json").read_text())
+    short["runs"][0]["rounds_s"]["capture"].pop()  # a round without its capture time
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    bad = subprocess.run(tool + [str(tmp_path / "short.json")], capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+    assert "rounds_s: forward, hooks and capture need one time each per round" in bad.stderr
 
 
 def test_bench_rounds_end_early_once_every_capture_interval_is_narrow_enough():

@@ -19,10 +19,18 @@ from traces.errors import InputError
 
 
 def _runs(path: Path) -> list[tuple[dict, dict]]:
-    """(result, run) of each run of a saved result."""
+    """(result, run) of each run of a saved result; a run's rounds, where it kept them, are one
+    number per round for each pass."""
     try:
         bench = json.loads(path.read_text())
-        return [(bench, r) for r in bench["runs"]]
+        runs = [(bench, r) for r in bench["runs"]]
+        for _, r in runs:
+            if {"forward", "hooks", "capture"} <= r.get("rounds_s", {}).keys():
+                rounds = [[float(x) for x in r["rounds_s"][name]] for name in ("forward", "hooks", "capture")]
+                if len({len(x) for x in rounds}) != 1 or not rounds[0]:
+                    raise ValueError("rounds_s: forward, hooks and capture need one time each per round")
+            r["capture_overhead_pct"], r["hooks_overhead_pct"], r["batch_size"]  # noqa: B018 - every row shows them
+        return runs
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path}: not a capture bench result ({type(e).__name__}: {e}); give files written by "
                          "python -m traces.capture.bench --out") from None
