@@ -36,6 +36,7 @@ import numpy as np
 from simulator import bench_baseline
 from traces.atomic import atomic_write_text
 from traces.errors import EXIT_INPUT_ERROR
+from traces.provenance import source_commit
 
 # ---- what is measured ---------------------------------------------------------------------
 
@@ -981,14 +982,7 @@ def run_bench(repeats: int, scale_tokens: int, work_dir: Path, token_scale: floa
 def _kernel_commit(paths: tuple[str, ...] = ("engine", "policies", "jit.py")) -> str:
     """The last commit of the engines' and policies' sources (``paths``, relative to simulator/;
     ``..`` for the whole checkout), ``+`` when the working copy differs, or ``?``."""
-    here = Path(__file__).resolve().parent
-    try:
-        rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", *paths], cwd=here,
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *paths], cwd=here).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-    return (rev or "?") + ("+" if dirty else "")
+    return source_commit(paths, Path(__file__).resolve().parent)
 
 
 def _med(xs) -> float:

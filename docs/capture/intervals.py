@@ -2,7 +2,8 @@
 rounds of saved results (``python -m traces.capture.bench --out``), as the bench now computes
 them for each new run (``traces.capture.bench.overhead_interval``; results that hold them are
 shown as stored, older ones recomputed from their rounds as saved, to the millisecond). One
-Markdown row per run; with ``--pooled``, a last row for all of them together
+Markdown row per run, named by its file and, where the result records it, the commit of the
+capture code it timed; with ``--pooled``, a last row for all of them together
 (``traces.capture.bench.pooled_overhead``: the mean of the runs' figures, its interval drawn over
 runs and then rounds), where every run has the same setting.
 
@@ -61,8 +62,10 @@ def pooled_row(paths: list[Path]) -> str:
     by_round, by_round_interval = pooled_overhead(cap, by_round=True)
     hooks, hooks_interval = pooled_overhead([(x["hooks"], x["forward"]) for x in rounds])
     gpus = sorted({bench.get("gpu") or bench.get("device") for bench, _ in runs})
+    commits = sorted({bench["capture_commit"] for bench, _ in runs if bench.get("capture_commit")})
+    code = f" ({', '.join(commits)})" if commits else ""
     bench, r = runs[0]
-    return (f"| pooled: {len(runs)} runs | {', '.join(gpus)} | {bench.get('model')} | {r['batch_size']} | "
+    return (f"| pooled: {len(runs)} runs{code} | {', '.join(gpus)} | {bench.get('model')} | {r['batch_size']} | "
             f"{r.get('writers', '')} {r.get('writer', '')}{_setting(r)} | {sum(len(x['forward']) for x in rounds)} | "
             f"{point:+.1f} % ({_span(interval)}) | {by_round:+.1f} % ({_span(by_round_interval)}) | "
             f"{hooks:+.1f} % ({_span(hooks_interval)}) |")
@@ -77,11 +80,17 @@ def _row(path: Path, bench: dict, r: dict) -> str | None:
     by_round = r.get("capture_overhead_by_round_pct")  # from the unrounded times
     if by_round is None:
         by_round = _by_round(cap, fwd)
-    return (f"| {path.stem} | {bench.get('gpu') or bench.get('device')} | {bench.get('model')} | {r['batch_size']} | "
+    return (f"| {_name(path, bench)} | {bench.get('gpu') or bench.get('device')} | {bench.get('model')} | {r['batch_size']} | "
             f"{r.get('writers', '')} {r.get('writer', '')}{_setting(r)} | {len(fwd)} | {r['capture_overhead_pct']:+.1f} % "
             f"({_span(r.get('capture_overhead_ci95_pct') or overhead_interval(cap, fwd))}) | {by_round:+.1f} % "
             f"({_span(r.get('capture_overhead_by_round_ci95_pct') or overhead_interval(cap, fwd, True))}) | "
             f"{r['hooks_overhead_pct']:+.1f} % ({_span(r.get('hooks_overhead_ci95_pct') or overhead_interval(hooks, fwd))}) |")
+
+
+def _name(path: Path, bench: dict) -> str:
+    """The result's file name, and the capture code it timed where it says (``capture_commit``)."""
+    commit = bench.get("capture_commit")
+    return f"{path.stem} ({commit})" if commit else path.stem
 
 
 def _setting(r: dict) -> str:

@@ -443,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from traces.capture.model import load_model
     from traces.capture.text import make_windows, read_documents
+    from traces.provenance import capture_commit
 
     mcfg = ModelConfig(path=args.model, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
                        device=args.device)
@@ -452,7 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {"model": name, "device": str(model.device),
                "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
-               "parameters": sum(p.numel() for p in model.parameters()), "runs": []}
+               "parameters": sum(p.numel() for p in model.parameters()),
+               "capture_commit": capture_commit(),  # the capture code timed (traces.provenance)
+               "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
     writers = tuple(args.writer.split(","))  # side by side in the same rounds
     for logits, workers, bs, unit, pin, share in itertools.product(
@@ -482,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "
           f"{results['experts']} experts, top-{results['top_k']}), {results['runs'][0]['tokens']:,} "
-          "tokens per pass:\n")
+          f"tokens per pass, capture code of {results['capture_commit']}:\n")
     print("\n".join(overhead_table(results)))
 
 
