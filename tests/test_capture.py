@@ -653,8 +653,9 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         hooks = {r["recording_stream"]: tuple(r["rounds_s"]["hooks"]) for r in same}
         assert all(tuple(r["rounds_s"]["hooks"]) == hooks[r["recording_stream"]] for r in same)
     assert result["device"] == "cpu"
-    from traces.provenance import capture_commit
+    from traces.provenance import capture_commit, sources_fingerprint
     assert result["capture_commit"] == capture_commit()  # the code timed (tests/test_provenance.py)
+    assert result["capture_sources"] == sources_fingerprint()
     for r in result["runs"]:
         assert r["logits"] == CaptureConfig().logits and r["lookahead"].startswith("1 x")
         assert r["tokens"] == 200 and r["unit_tokens"] == 30 and r["open_s"] >= 0
@@ -670,7 +671,8 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         assert r["hooks_overhead_by_round_ci95_pct"] == [r["hooks_overhead_by_round_pct"]] * 2
         assert r["capture_overhead_ci95_pct"] == [r["capture_overhead_by_round_pct"]] * 2
     printed = capsys.readouterr().out.splitlines()
-    assert any(line.endswith(f"tokens per pass, capture code of {result['capture_commit']}:") for line in printed)
+    assert any(line.endswith(f"tokens per pass, capture code of {result['capture_commit']} "
+                             f"(sources {result['capture_sources']}):") for line in printed)
     table = [line for line in printed if line.startswith("| top:64 |")]
     assert len(table) == 48 and [table[i].split("|")[3:5] for i in (18, 27, 35)] == [
         [" 2 processes, 30-token units, rows copied, recording on the side stream ", " 4 "],
@@ -878,11 +880,12 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     with pytest.raises(ValueError, match="one forward time per round"):
         pooled_overhead([([1.0, 2.0], [1.0])])
 
-    def result(name, batch, ratio, commit=None):
+    def result(name, batch, ratio, commit=None, sources=None):
         run = {"batch_size": batch, "tokens": 64, "writers": 2, "writer": "dispatcher", "capture_overhead_pct": 0.0,
                "hooks_overhead_pct": 0.0, "rounds_s": {"forward": [1.0] * 3, "hooks": [1.0] * 3, "capture": [ratio] * 3}}
-        commit = {"capture_commit": commit} if commit else {}  # results before the bench recorded it lack it
-        (tmp_path / name).write_text(json.dumps({"model": "m", "gpu": "g", **commit, "runs": [run]}))
+        # results before the bench recorded the code lack both
+        code = {k: v for k, v in (("capture_commit", commit), ("capture_sources", sources)) if v}
+        (tmp_path / name).write_text(json.dumps({"model": "m", "gpu": "g", **code, "runs": [run]}))
         return str(tmp_path / name)
 
     root = Path(__file__).resolve().parents[1]
@@ -891,12 +894,21 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     out = subprocess.run(tool + [result("a.json", 16, 1.05), result("b.json", 16, 1.15)], capture_output=True,
                          text=True, env=env, check=True).stdout
     assert out.splitlines()[-1].startswith("| pooled: 2 runs |") and "+10.0 % (+5.0 to +15.0 %)" in out
-    # each row and the pooled one name the capture code timed, where the results record it
-    out = subprocess.run(tool + [result("a.json", 16, 1.05, "abc1234"), result("b.json", 16, 1.15, "def5678+"),
-                                 result("d.json", 16, 1.1)], capture_output=True, text=True, env=env,
-                         check=True).stdout.splitlines()
+    # each row and the pooled one name the capture code timed, where the results record it: the
+    # commit recorded, or the one whose sources have the recorded fingerprint (traces.provenance)
+    from traces.provenance import CAPTURE_SOURCES, commit_fingerprint, source_commit
+    names = ["| a (abc1234)", "| b (def5678+)", "| d"]
+    files = [result("a.json", 16, 1.05, "abc1234", "0123456789ab"), result("b.json", 16, 1.15, "def5678+"),
+             result("d.json", 16, 1.1)]
+    if source_commit((".",), root) != "?":  # a git checkout: a fingerprint of its history names its commit
+        rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", *CAPTURE_SOURCES], cwd=root, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        files.append(result("e.json", 16, 1.1, "fedcba9+", commit_fingerprint(rev)))
+        names.append(f"| e ({rev})")
+    out = subprocess.run(tool + files, capture_output=True, text=True, env=env, check=True).stdout.splitlines()
+    codes = sorted(n[n.index("(") + 1:-1] for n in names if "(" in n)
     assert [line.split(" | ")[0] for line in out[2:]] == [
-        "| a (abc1234)", "| b (def5678+)", "| d", "| pooled: 3 runs (abc1234, def5678+)"]
+        *names, f"| pooled: {len(files)} runs ({', '.join(codes)})"]
     bad = subprocess.run(tool + [result("a.json", 16, 1.05), result("c.json", 1, 1.15)], capture_output=True, text=True,
                          env=env)
     assert bad.returncode != 0 and bad.stdout == ""

@@ -1,17 +1,31 @@
-"""Which sources produced a measured figure: the last commit of the paths that hold them.
+"""Which sources produced a measured figure.
 
 Benchmarks store this beside their figures (``make bench``'s ``kernel_commit``, the capture
-bench's ``capture_commit``), so that a saved result says what code it timed without a note
-written by hand. A commit ends in ``+`` when the working copy of those paths differs from it;
-``?`` means no git or no checkout (an installed package, a copied tree without ``.git``).
+bench's ``capture_commit`` and ``capture_sources``), so that a saved result says what code it
+timed without a note written by hand.
+
+- :func:`source_commit`: the last commit of some paths, ending in ``+`` where the working copy
+  of them differs from it; ``?`` without git or a checkout. It names the copy's own history: a
+  copy of a working tree whose ``.git`` lags behind its files (as on a host the tree is copied
+  to) gives an older commit and ``+``.
+- :func:`sources_fingerprint`: a hash of the capture's source files as they are, wherever they
+  are. Each file enters as its path and its git blob id, so the fingerprint of any commit comes
+  from ``git ls-tree`` alone, and ``python -m traces.provenance FINGERPRINT`` finds the commit
+  whose capture sources the measured files were (:func:`find_commit`).
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
-# the capture's own sources: the package, not the fixtures and sample data under traces/
-CAPTURE_SOURCES = ("traces", ":(exclude)traces/fixtures", ":(exclude)traces/samples")
+ROOT = Path(__file__).resolve().parent.parent
+# the capture's own sources: the package's Python files, not the fixtures and sample data under traces/
+PACKAGE = "traces"
+NOT_SOURCES = ("traces/fixtures/", "traces/samples/")
+CAPTURE_SOURCES = (PACKAGE, *(f":(exclude){d.rstrip('/')}" for d in NOT_SOURCES))
 
 
 def source_commit(paths: tuple[str, ...], cwd: str | Path) -> str:
@@ -28,6 +42,78 @@ def source_commit(paths: tuple[str, ...], cwd: str | Path) -> str:
     return (rev or "?") + ("+" if rev and dirty else "")
 
 
-def capture_commit() -> str:
+def capture_commit(root: Path = ROOT) -> str:
     """:func:`source_commit` of the capture's sources (:data:`CAPTURE_SOURCES`)."""
-    return source_commit(CAPTURE_SOURCES, Path(__file__).resolve().parent.parent)
+    return source_commit(CAPTURE_SOURCES, root)
+
+
+def _is_source(path: str) -> bool:
+    return path.startswith(f"{PACKAGE}/") and path.endswith(".py") and not path.startswith(NOT_SOURCES)
+
+
+def _fingerprint(entries: Iterable[tuple[str, str]]) -> str:
+    """12 hex digits over the sorted (path, git blob id) pairs of the sources."""
+    digest = hashlib.sha256()
+    for path, blob in sorted(entries):
+        digest.update(f"{path} {blob}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def blob_id(data: bytes) -> str:
+    """The id git gives a file of these bytes (``git hash-object``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+def sources_fingerprint(root: Path = ROOT) -> str:
+    """The fingerprint of the capture's source files under ``root`` as they are now."""
+    files = [(p.relative_to(root).as_posix(), p) for p in (root / PACKAGE).rglob("*.py")]
+    return _fingerprint((rel, blob_id(p.read_bytes())) for rel, p in files if _is_source(rel))
+
+
+def commit_fingerprint(commit: str, root: Path = ROOT) -> str:
+    """The fingerprint of the capture's sources at ``commit`` (from ``git ls-tree``)."""
+    listing = subprocess.run(["git", "ls-tree", "-r", "--full-tree", commit, "--", PACKAGE], cwd=root,
+                             capture_output=True, text=True, check=True).stdout
+    entries = []
+    for line in listing.splitlines():
+        meta, path = line.split("\t", 1)
+        if _is_source(path):
+            entries.append((path, meta.split()[2]))
+    return _fingerprint(entries)
+
+
+def find_commit(fingerprint: str, root: Path = ROOT) -> str | None:
+    """The short hash of the commit that made capture sources with ``fingerprint`` (the newest
+    such state, at the commit that brought it), or None (not in this checkout's history, or no
+    git)."""
+    try:
+        commits = subprocess.run(["git", "log", "--format=%h", "--", *CAPTURE_SOURCES], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.split()
+        found = None
+        for c in commits:  # newest first: the match's older neighbours with the same sources
+            if commit_fingerprint(c, root) == fingerprint:
+                found = c
+            elif found is not None:
+                break
+        return found
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Find the commit whose capture sources have a fingerprint "
+                                "(a capture bench result's capture_sources).")
+    p.add_argument("fingerprint", nargs="?", help="12 hex digits; without it, print this checkout's")
+    args = p.parse_args(argv)
+    if args.fingerprint is None:
+        print(sources_fingerprint())
+        return
+    commit = find_commit(args.fingerprint)
+    if commit is None:
+        raise SystemExit(f"error: fingerprint={args.fingerprint}: no commit of this checkout's history has "
+                         "these capture sources; fetch the history the result was measured on, or check the value")
+    print(commit)
+
+
+if __name__ == "__main__":
+    main()

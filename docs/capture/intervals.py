@@ -3,7 +3,8 @@ rounds of saved results (``python -m traces.capture.bench --out``), as the bench
 them for each new run (``traces.capture.bench.overhead_interval``; results that hold them are
 shown as stored, older ones recomputed from their rounds as saved, to the millisecond). One
 Markdown row per run, named by its file and, where the result records it, the commit of the
-capture code it timed; with ``--pooled``, a last row for all of them together
+capture code it timed (found by its sources' fingerprint where this checkout's history has it);
+with ``--pooled``, a last row for all of them together
 (``traces.capture.bench.pooled_overhead``: the mean of the runs' figures, its interval drawn over
 runs and then rounds), where every run has the same setting.
 
@@ -12,11 +13,13 @@ From the repository root: ``PYTHONPATH=. python docs/capture/intervals.py docs/c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 from traces.capture.bench import _by_round, _span, overhead_interval, pooled_overhead
 from traces.errors import InputError
+from traces.provenance import find_commit
 
 
 def _runs(path: Path) -> list[tuple[dict, dict]]:
@@ -62,7 +65,7 @@ def pooled_row(paths: list[Path]) -> str:
     by_round, by_round_interval = pooled_overhead(cap, by_round=True)
     hooks, hooks_interval = pooled_overhead([(x["hooks"], x["forward"]) for x in rounds])
     gpus = sorted({bench.get("gpu") or bench.get("device") for bench, _ in runs})
-    commits = sorted({bench["capture_commit"] for bench, _ in runs if bench.get("capture_commit")})
+    commits = sorted({code for bench, _ in runs if (code := _code(bench))})
     code = f" ({', '.join(commits)})" if commits else ""
     bench, r = runs[0]
     return (f"| pooled: {len(runs)} runs{code} | {', '.join(gpus)} | {bench.get('model')} | {r['batch_size']} | "
@@ -87,10 +90,23 @@ def _row(path: Path, bench: dict, r: dict) -> str | None:
             f"{r['hooks_overhead_pct']:+.1f} % ({_span(r.get('hooks_overhead_ci95_pct') or overhead_interval(hooks, fwd))}) |")
 
 
+def _code(bench: dict) -> str | None:
+    """The capture code a result timed: the commit whose sources have its ``capture_sources``
+    fingerprint in this checkout's history, else the commit it recorded (``+``: with changes), or
+    None where it records neither."""
+    found = _find_commit(bench["capture_sources"]) if bench.get("capture_sources") else None
+    return found or bench.get("capture_commit")
+
+
+@functools.cache
+def _find_commit(fingerprint: str) -> str | None:
+    return find_commit(fingerprint)
+
+
 def _name(path: Path, bench: dict) -> str:
-    """The result's file name, and the capture code it timed where it says (``capture_commit``)."""
-    commit = bench.get("capture_commit")
-    return f"{path.stem} ({commit})" if commit else path.stem
+    """The result's file name, and the capture code it timed where it says (:func:`_code`)."""
+    code = _code(bench)
+    return f"{path.stem} ({code})" if code else path.stem
 
 
 def _setting(r: dict) -> str:

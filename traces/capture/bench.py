@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from traces.capture.model import load_model
     from traces.capture.text import make_windows, read_documents
-    from traces.provenance import capture_commit
+    from traces.provenance import capture_commit, sources_fingerprint
 
     mcfg = ModelConfig(path=args.model, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
                        device=args.device)
@@ -454,7 +454,9 @@ def main(argv: list[str] | None = None) -> None:
                "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
                "layers": len(sites), "experts": sites[0].num_experts, "top_k": sites[0].top_k,
                "parameters": sum(p.numel() for p in model.parameters()),
-               "capture_commit": capture_commit(),  # the capture code timed (traces.provenance)
+               # the capture code timed (traces.provenance): the checkout's last commit of it, and
+               # the files' own fingerprint, which names them also where the copy's .git lags
+               "capture_commit": capture_commit(), "capture_sources": sources_fingerprint(),
                "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
     writers = tuple(args.writer.split(","))  # side by side in the same rounds
@@ -485,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "
           f"{results['experts']} experts, top-{results['top_k']}), {results['runs'][0]['tokens']:,} "
-          f"tokens per pass, capture code of {results['capture_commit']}:\n")
+          f"tokens per pass, capture code of {results['capture_commit']} (sources {results['capture_sources']}):\n")
     print("\n".join(overhead_table(results)))
 
 
