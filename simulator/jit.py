@@ -6,7 +6,6 @@ and no fused multiply-add. ``cache`` keeps compiled kernels across processes.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import types
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +13,8 @@ from types import ModuleType
 import numba
 import numpy as np
 from numba.extending import intrinsic
+
+from traces.provenance import files_fingerprint
 
 JIT_FLAGS = {
     "cache": True,
@@ -79,11 +80,7 @@ def sources_fingerprint() -> str:
     root = Path(__file__).resolve().parent
     files = sorted([*root.glob("engine/*.py"), *root.glob("policies/**/*.py"),
                     root / "jit.py", root / "metrics.py"])
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
+    return files_fingerprint(root, files)
 
 
 def _prune_stale(kernel, prefix: str, current: str) -> None:

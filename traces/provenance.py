@@ -64,10 +64,16 @@ def blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
+def files_fingerprint(root: Path, files: Iterable[Path]) -> str:
+    """12 hex digits over ``files`` as they are now, each by its path relative to ``root`` and its
+    content (as its git blob id)."""
+    return _fingerprint((p.relative_to(root).as_posix(), blob_id(p.read_bytes())) for p in files)
+
+
 def sources_fingerprint(root: Path = ROOT) -> str:
     """The fingerprint of the capture's source files under ``root`` as they are now."""
-    files = [(p.relative_to(root).as_posix(), p) for p in (root / PACKAGE).rglob("*.py")]
-    return _fingerprint((rel, blob_id(p.read_bytes())) for rel, p in files if _is_source(rel))
+    return files_fingerprint(root, (p for p in (root / PACKAGE).rglob("*.py")
+                                    if _is_source(p.relative_to(root).as_posix())))
 
 
 def commit_fingerprint(commit: str, root: Path = ROOT) -> str:

@@ -98,9 +98,7 @@ def _code(bench: dict) -> str | None:
     return found or bench.get("capture_commit")
 
 
-@functools.cache
-def _find_commit(fingerprint: str) -> str | None:
-    return find_commit(fingerprint)
+_find_commit = functools.cache(find_commit)  # once per fingerprint
 
 
 def _name(path: Path, bench: dict) -> str:
