@@ -177,6 +177,56 @@ def test_generation_records_the_models_routing(arch):
         np.testing.assert_allclose(rows.nll[sel], nll_of(lm, tokens), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3"])
+def test_forwards_held_in_blocks_record_the_rows_of_forwards_handed_on_alone(arch):
+    """record_block_tokens holds the routing of several forwards and hands it on in one block:
+    the same rows as one forward at a time, with padded and unpadded forwards mixed (a run of
+    equal-shape forwards takes one stack), look-ahead and full logits; the last forward alone."""
+    from traces.capture.config import LookaheadConfig
+
+    model = tiny_model(arch)
+    # batches of 2: (9, 14) and (3, 6) padded, (14, 14) twice unpadded and equal, (4, 4), (11,) last
+    wins = windows([9, 14, 3, 6, 14, 14, 14, 14, 4, 4, 11], seed=3)
+    la = LookaheadConfig(enabled=True, depth=1, logits="full")
+    kw = dict(batch_size=2, logits="full", lookahead=la, prefill_tokens=5)
+    alone, blocks = [], []
+    capture_windows(model, find_routers(model), wins, CaptureConfig(record_block_tokens=0, **kw), alone.append)
+    capture_windows(model, find_routers(model), wins, CaptureConfig(record_block_tokens=100, **kw), blocks.append)
+    assert [r.num_tokens for r in alone] == [23, 9, 28, 28, 8, 11]
+    # held while the slots held and as many again as the last forward's fit in 100 (28, 40, 68, 96
+    # slots); the one before the last and the last alone
+    assert [r.num_tokens for r in blocks] == [23 + 9 + 28 + 28, 8, 11]
+    kept = [f for f in Rows.__dataclass_fields__ if getattr(alone[0], f) is not None]
+    assert {"logits", "lookahead_logits", "nll"} <= set(kept)
+    for f in kept:
+        a, b = (np.concatenate([getattr(r, f) for r in rows]) for rows in (alone, blocks))
+        np.testing.assert_array_equal(a, b, err_msg=f)
+
+
+def test_a_block_of_forwards_is_handed_on_early_at_the_device_memory_bound(monkeypatch):
+    """RECORD_BLOCK_BYTES bounds what a block holds: a bound of about two forwards' router
+    outputs hands the rows on two forwards at a time, whatever record_block_tokens allows."""
+    from traces.capture import capture as cap
+    from traces.capture.hooks import RawStep
+
+    model, wins = tiny_model("qwen3_moe"), windows([8] * 10, seed=5)
+    per_forward = []
+    take = RouterRecorder.take
+
+    def spy(self, n):
+        raw = take(self, n)
+        per_forward.append(RawStep.nbytes(raw))
+        return raw
+
+    monkeypatch.setattr(RouterRecorder, "take", spy)
+    record(model, wins[:1], batch_size=1)
+    monkeypatch.setattr(cap, "RECORD_BLOCK_BYTES", 2 * per_forward[0])
+    sizes = []
+    capture_windows(model, find_routers(model), wins, CaptureConfig(batch_size=1, logits="top:4"),
+                    lambda rows: sizes.append(rows.num_tokens))
+    assert sizes == [16, 16, 16, 16, 8, 8]  # two at a time; the one before the last, and the last, alone
+
+
 def test_metadata_per_architecture():
     meta = routing_metadata(tiny_model("deepseek_v3"), find_routers(tiny_model("deepseek_v3")))
     assert meta["layer_ids"] == [1, 2] and meta["score_function"] == "sigmoid" and meta["renormalize"]
@@ -675,9 +725,46 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
                              f"(sources {result['capture_sources']}):") for line in printed)
     table = [line for line in printed if line.startswith("| top:64 |")]
     assert len(table) == 48 and [table[i].split("|")[3:5] for i in (18, 27, 35)] == [
-        [" 2 processes, 30-token units, rows copied, recording on the side stream ", " 4 "],
-        [" 1 threads, 30-token units, rows shared in place, recording on the main stream ", " 1 "],
-        [" 1 dispatcher, 30-token units, rows copied, recording on the main stream ", " 1 "]]
+        [" 2 processes, 30-token units, rows copied, recording on the side stream, " + HELD, " 4 "],
+        [" 1 threads, 30-token units, rows shared in place, recording on the main stream, " + HELD, " 1 "],
+        [" 1 dispatcher, 30-token units, rows copied, recording on the main stream, " + HELD, " 1 "]]
+
+
+HELD = "forwards held in blocks of 32,768 tokens "  # the default record_block_tokens, in the bench's table
+
+
+def test_bench_compares_forwards_held_in_blocks_with_forwards_alone_in_the_same_rounds(tmp_path, capsys,
+                                                                                         monkeypatch):
+    from traces.capture import bench
+    from traces.capture import capture as C
+
+    writes: dict[int, list[int]] = {}
+    real = C.capture_windows
+
+    def recorded(model, sites, windows, cfg, write, *args, **kwargs):
+        n = writes.setdefault(cfg.record_block_tokens, [])
+        n.append(0)
+
+        def counted(rows):
+            n[-1] += 1
+            return write(rows)
+        return real(model, sites, windows, cfg, counted, *args, **kwargs)
+
+    monkeypatch.setattr(C, "capture_windows", recorded)
+    config = _tiny_model_dir(tmp_path)
+    out = tmp_path / "bench.json"
+    bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
+                "--batch-sizes", "1", "--repeats", "1", "--device", "cpu", "--dtype", "float32", "--writers", "1",
+                "--writer", "threads", "--record-block-tokens", "100,0", "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["record_block_tokens"] for r in runs] == [100, 0]
+    assert len({tuple(r["rounds_s"]["forward"]) for r in runs}) == 1  # one forward for both
+    # four forwards of 50 tokens: in blocks of 100, two together, then the last two alone; per pass
+    # (a warm-up and a round), a hooks pass and a capture pass of each setting
+    assert writes == {100: [3] * 4, 0: [4] * 4}
+    rows = [line.split("|")[3].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
+    assert [r.split("stream, ")[1] for r in rows] == ["forwards held in blocks of 100 tokens",
+                                                     "forwards handed on alone"]
 
 
 def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_path, capsys, monkeypatch):
@@ -707,7 +794,7 @@ def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_p
     hooks = {r["top_r_kernel"]: tuple(r["rounds_s"]["hooks"]) for r in runs}
     assert all(tuple(r["rounds_s"]["hooks"]) == hooks[r["top_r_kernel"]] for r in runs)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert [row.endswith("top-R by sorts") for row in (r.split("|")[3].strip() for r in rows)] == [False, True] * 2
+    assert [", top-R by sorts, " in row for row in (r.split("|")[3] for r in rows)] == [False, True] * 2
 
 
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
@@ -717,7 +804,9 @@ def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_p
                                              (["--shared-rows", "1,yes"], "--shared-rows 1,yes: give 1 or 0"),
                                              (["--recording-stream", "side,both"],
                                               "--recording-stream both is not valid"),
-                                             (["--top-r-kernel", "1,yes"], "--top-r-kernel 1,yes: give 1 or 0")])
+                                             (["--top-r-kernel", "1,yes"], "--top-r-kernel 1,yes: give 1 or 0"),
+                                             (["--record-block-tokens", "0,-5"],
+                                              "--record-block-tokens 0,-5: give whole numbers")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
     from traces.capture import bench
 

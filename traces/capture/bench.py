@@ -117,13 +117,15 @@ def _children_cpu() -> float:
 
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = (),
-                     kernels: tuple[bool, ...] = (), ci_width: float = 0.0) -> list[dict]:
+                     kernels: tuple[bool, ...] = (), ci_width: float = 0.0,
+                     blocks: tuple[int, ...] = ()) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
     in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``),
-    ``streams``: with each of these recording streams (default: ``cfg.recording_stream``), and
-    ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), all in the same
-    rounds, side by side; one result per writer, stream and kernel setting, the forward shared, the
-    hooks shared by the writers of a recording (stream and kernel setting)."""
+    ``streams``: with each of these recording streams (default: ``cfg.recording_stream``),
+    ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), and ``blocks``:
+    with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), all in the
+    same rounds, side by side; one result per writer and recording (stream, kernel and block
+    setting), the forward shared, the hooks shared by the writers of a recording."""
     from traces.capture.capture import (
         batch_tokens,
         build_meta,
@@ -137,16 +139,16 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     tokens = sum(len(w.tokens) for w in windows)
     probs = router_returns_probabilities(model, sites)
     writers = tuple(writers) or (cfg.writer,)
-    recordings = [(s, k) for s in tuple(streams) or (cfg.recording_stream,)
-                  for k in tuple(kernels) or (cfg.top_r_kernel,)]
+    recordings = [(s, k, b) for s in tuple(streams) or (cfg.recording_stream,)
+                  for k in tuple(kernels) or (cfg.top_r_kernel,)
+                  for b in tuple(blocks) or (cfg.record_block_tokens,)]
     variants = [(w, *rec) for w in writers for rec in recordings]
 
-    def recording(stream: str, kernel: bool) -> CaptureConfig:
-        return replace(cfg, recording_stream=stream, top_r_kernel=kernel)
+    def recording(stream: str, kernel: bool, block: int) -> CaptureConfig:
+        return replace(cfg, recording_stream=stream, top_r_kernel=kernel, record_block_tokens=block)
 
-    def hooks(stream: str, kernel: bool) -> dict:
-        return capture_windows(model, sites, windows, recording(stream, kernel), lambda rows: None,
-                               logits_are_probs=probs)
+    def hooks(*rec) -> dict:
+        return capture_windows(model, sites, windows, recording(*rec), lambda rows: None, logits_are_probs=probs)
 
     # per variant and capture pass: the loop's end to the file closed, the start to the writer open
     # (its fixed cost), the writer's tokens per row group
@@ -154,7 +156,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     opens: dict[tuple, list[float]] = {v: [] for v in variants}
     units: dict[tuple, list[int]] = {v: [] for v in variants}
 
-    def capture(writer: str, stream: str, kernel: bool) -> Timed:
+    def capture(writer: str, *rec) -> Timed:
         """Timed from the start to the file closed: removing the file after it (a 131,072-token
         trace of the 30B shape is 1.4 GB of page cache) is no part of a capture."""
         start = time.perf_counter()
@@ -162,14 +164,14 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         with tempfile.TemporaryDirectory() as tmp:
             with open_writer(Path(tmp) / "bench.parquet", meta, cfg.writers, writer, cfg.unit_tokens,
                              batch_tokens(cfg), tokens) as w:
-                opens[writer, stream, kernel].append(time.perf_counter() - start)
-                units[writer, stream, kernel].append(w.unit_tokens)
-                stats = capture_windows(model, sites, windows, recording(stream, kernel),
+                opens[writer, *rec].append(time.perf_counter() - start)
+                units[writer, *rec].append(w.unit_tokens)
+                stats = capture_windows(model, sites, windows, recording(*rec),
                                         lambda rows: w.write(**rows.columns()), logits_are_probs=probs,
                                         block=w.block if cfg.shared_rows else None)
                 end = time.perf_counter()
             closed = time.perf_counter()
-            closes[writer, stream, kernel].append(closed - end)
+            closes[writer, *rec].append(closed - end)
         return Timed(closed - start, stats)
 
     modes = {"forward": lambda: _forward_only(model, windows, cfg.batch_size)}
@@ -200,24 +202,26 @@ def _narrow_enough(width: float, captures: list[str]):
     return enough
 
 
-def _recording(stream: str, kernel: bool) -> str:
-    return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts")
+def _recording(stream: str, kernel: bool, block: int | None = None) -> str:
+    held = "" if block is None else (", forwards handed on alone" if block == 0 else
+                                     f", forwards held in blocks of {block:,} tokens")
+    return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts") + held
 
 
-def _mode(writer: str, stream: str, kernel: bool) -> str:
-    return f"capture ({writer}, {_recording(stream, kernel)})"
+def _mode(writer: str, *rec) -> str:
+    return f"capture ({writer}, {_recording(*rec)})"
 
 
-def _hooks_mode(stream: str, kernel: bool) -> str:
-    return f"hooks ({_recording(stream, kernel)})"
+def _hooks_mode(*rec) -> str:
+    return f"hooks ({_recording(*rec)})"
 
 
-def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool], tokens: int, t: dict, rounds: dict, cpu: dict,
-              stats: dict, units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
-    """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel),
-    its modes named ``hooks`` and ``capture``."""
-    writer, stream, kernel = variant
-    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel)
+def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: int, t: dict, rounds: dict,
+              cpu: dict, stats: dict, units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
+    """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel,
+    record_block_tokens), its modes named ``hooks`` and ``capture``."""
+    writer, stream, kernel, block = variant
+    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block)
     t_fwd, t_hooks, t_cap = t["forward"], t[hooks], t[mode]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
@@ -231,6 +235,7 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool], tokens: int, t
         "writer": writer,
         "recording_stream": stream,
         "top_r_kernel": kernel,  # asked for: it runs on a GPU with Triton and top-R logits
+        "record_block_tokens": block,
         "unit_tokens": units[-1],
         "model_cpu": cpu_of_model,
         "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
@@ -361,7 +366,7 @@ def overhead_table(bench: dict) -> list[str]:
         if "shared_rows" in r:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
-            encoders += f", {_recording(r['recording_stream'], r.get('top_r_kernel', True))}"
+            encoders += f", {_recording(r['recording_stream'], r.get('top_r_kernel', True), r.get('record_block_tokens'))}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
@@ -415,6 +420,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-r-kernel", default="1" if defaults.top_r_kernel else "0",
                    help="1: the top-R logits selected by the Triton kernel where it runs (moe-capture's "
                         "top_r_kernel), 0: by two sorts; comma-separated to compare them in the same rounds")
+    p.add_argument("--record-block-tokens", default=str(defaults.record_block_tokens),
+                   help="tokens of routing the recording holds before handing rows on (moe-capture's "
+                        "record_block_tokens; 0: every forward alone); comma-separated to compare them in "
+                        "the same rounds")
     p.add_argument("--repeats", type=int, default=3, help="rounds (the most, with --ci-width)")
     p.add_argument("--ci-width", type=float, default=0.0,
                    help="end the rounds early, from the 5th on, once every capture's overhead has a 95 %% "
@@ -430,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         p.error(f"--recording-stream {bad[0]} is not valid; choose from: {', '.join(RECORDING_STREAMS)}")
     units, encoders = _counts(p, "--unit-tokens", args.unit_tokens), _counts(p, "--writers", args.writers)
+    held = tuple(_counts(p, "--record-block-tokens", args.record_block_tokens))
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
     if not args.ci_width >= 0:
@@ -467,10 +477,10 @@ def main(argv: list[str] | None = None) -> None:
                       pin_threads=pin == "1", shared_rows=share == "1")
         for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
                                   tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels),
-                                  args.ci_width):
+                                  args.ci_width, held):
             results["runs"].append(r)
             print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} "
-                  f"top-R kernel {int(r['top_r_kernel'])} unit {r['unit_tokens']} batch {bs} shared rows {share} "
+                  f"top-R kernel {int(r['top_r_kernel'])} block {r['record_block_tokens']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
                   f"model's CPU "
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
                   f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %, 95 % interval "

@@ -38,6 +38,7 @@ from traces.capture.cores import isolated, leave_model_core
 from traces.capture.dispatch import DispatchedTraceWriter
 from traces.capture.hooks import (
     Lookahead,
+    RawStep,
     RouterRecorder,
     StepRouting,
     check_lookahead_source,
@@ -71,6 +72,10 @@ UNIT_FRACTIONS = (16, 2)
 # each of them waiting up to Python's default 5 ms (on 2 cores, a busy Python loop beside the
 # encoders slowed them 2.7x at 5 ms, 1.8x at 0.5 ms).
 CAPTURE_SWITCH_INTERVAL_S = 0.0005
+# The most device memory of router outputs the recording holds for a block of forwards
+# (CaptureConfig.record_block_tokens): 16 windows of 512 tokens of the small Qwen3-Next shape
+# hold about 75 MB a forward, of a 48-layer, 512-expert model about 420 MB.
+RECORD_BLOCK_BYTES = 512 << 20
 
 
 @dataclass
@@ -381,32 +386,89 @@ def right_padded(batch: list[Window], device: torch.device):
     return ids, lengths, torch.from_numpy(ids).to(device), mask
 
 
-def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill_tokens, drain, stored, on_tokens):
+@dataclass
+class _Forward:
+    """One teacher-forced forward the recording holds: its windows, their lengths, the padded
+    length S, what the hooks kept and the tokens' NLL (float32[B * S], on the device)."""
+
+    windows: list[Window]
+    lengths: np.ndarray
+    S: int
+    raw: RawStep
+    nll: torch.Tensor
+
+    @property
+    def padded(self) -> bool:
+        return bool((self.lengths != self.S).any())
+
+
+def _real_slots(held: list[_Forward]) -> np.ndarray | None:
+    """The slots of the real tokens of the forwards ``held``, one after the other; None where no
+    window is padded (every slot is a token)."""
+    if not any(f.padded for f in held):
+        return None
+    parts, offset = [], 0
+    for f in held:
+        parts.append(offset + np.concatenate([b * f.S + np.arange(n) for b, n in enumerate(f.lengths)]))
+        offset += len(f.lengths) * f.S
+    return np.concatenate(parts)
+
+
+def _host_columns(windows: list[Window], lengths: np.ndarray, prefill_tokens: int) -> dict[str, np.ndarray]:
+    """The host columns of the rows of ``windows`` (``lengths``: their tokens)."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    pos = (np.arange(int(lengths.sum())) - starts).astype(np.int32)
+    return {
+        "seq": np.repeat([w.seq for w in windows], lengths).astype(np.int32),
+        "pos": pos,
+        "phase": np.where(pos < prefill_tokens, PHASE_PREFILL, PHASE_DECODE).astype(np.int8),
+        "token_id": np.concatenate([w.tokens for w in windows]).astype(np.int32),
+        "domain": np.repeat([w.domain for w in windows], lengths).astype(np.int16),
+    }
+
+
+def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill_tokens, drain, stored, on_tokens,
+                   block_tokens: int = 0, block_bytes: int = 0):
     """One forward per batch of windows; records every real token.
 
-    ``stored(routing, slots)`` gives the device tensors to keep (:func:`_routing_parts`).
+    The routing of consecutive forwards is held (up to ``block_tokens`` token slots and
+    ``block_bytes`` of router outputs; 0: none held) and handed on in one block: stacked, put in
+    stored form by ``stored(routing, slots)`` (the device tensors to keep, :func:`_routing_parts`)
+    and queued to the drain. The last forward always goes alone, so that the writer's close waits
+    for one forward's rows only. The same rows either way.
     """
     device = model.device
-    for batch in batches(windows, batch_size):
+    todo = list(batches(windows, batch_size))
+    held: list[_Forward] = []
+    for i, batch in enumerate(todo):
         ids, lengths, input_ids, mask = right_padded(batch, device)
         B, S = ids.shape
         out = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-        routing = recorder.collect(B * S)
-        pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
-        slots_np = np.concatenate([b * S + np.arange(n) for b, n in enumerate(lengths)])
-        slots = None if mask is None else torch.from_numpy(slots_np).to(device)  # None: every slot is a token
-        with drain.beside(*routing.tensors(), out.logits, input_ids, slots):
-            dev = stored(routing, slots)
-            dev["nll"] = _real(token_nll(out.logits, input_ids).reshape(-1), slots)
-        host = {
-            "seq": np.repeat([w.seq for w in batch], lengths).astype(np.int32),
-            "pos": pos,
-            "phase": np.where(pos < prefill_tokens, PHASE_PREFILL, PHASE_DECODE).astype(np.int8),
-            "token_id": ids.reshape(-1)[slots_np].astype(np.int32),
-            "domain": np.repeat([w.domain for w in batch], lengths).astype(np.int16),
-        }
-        drain.put(host, dev)
+        raw = recorder.take(B * S)
+        with drain.beside(out.logits, input_ids):
+            nll = token_nll(out.logits, input_ids).reshape(-1)
+        held.append(_Forward(batch, lengths, S, raw, nll))
         on_tokens(int(lengths.sum()))
+        slots_held = sum(len(f.lengths) * f.S for f in held)
+        bytes_held = sum(f.raw.nbytes() for f in held)
+        if (i + 2 >= len(todo) or slots_held + B * S > block_tokens
+                or bytes_held + raw.nbytes() > block_bytes):
+            _hand_on(held, prefill_tokens, drain, stored, device)
+            held = []
+
+
+def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -> None:
+    """Stack the routing of the forwards ``held``, put it in stored form on the drain's stream
+    (:meth:`_Drain.beside`) and queue it with the host columns to the drain."""
+    routing = StepRouting.stacked([f.raw for f in held])
+    slots_np = _real_slots(held)
+    slots = None if slots_np is None else torch.from_numpy(slots_np).to(device)
+    nlls = [f.nll for f in held]
+    with drain.beside(*routing.tensors(), slots):
+        dev = stored(routing, slots)
+        dev["nll"] = _real(torch.cat(nlls) if len(nlls) > 1 else nlls[0], slots)
+    windows = [w for f in held for w in f.windows]
+    drain.put(_host_columns(windows, np.concatenate([f.lengths for f in held]), prefill_tokens), dev)
 
 
 def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -445,7 +507,7 @@ def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, d
         mask = torch.from_numpy(mask_np).to(device)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
-        steps = [recorder.collect(B * P)]
+        steps = [recorder.take(B * P)]
         nll_prefill = token_nll(out.logits, input_ids)
         nll_prefill[:, 1:][mask[:, :-1] == 0] = float("nan")
         nlls, toks = [nll_prefill.reshape(-1)], [input_ids.reshape(-1)]
@@ -464,7 +526,7 @@ def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, d
                 use_cache=True,
                 **{cache_arg: cache},
             )
-            steps.append(recorder.collect(B))
+            steps.append(recorder.take(B))
             cache, next_logits = _returned_cache(out), out.logits[:, -1]
             on_tokens(B)
         # rows per sequence: its prompt slots, then its slot in every decode step
@@ -472,8 +534,9 @@ def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, d
             [np.concatenate([b * P + np.arange(P - plen[b], P), B * P + np.arange(N) * B + b]) for b in range(B)]
         )
         slots = torch.from_numpy(slots_np).to(device)
-        with drain.beside(*(t for step in steps for t in step.tensors()), *nlls, *toks, slots):
-            dev = stored(StepRouting.cat(steps), slots)
+        routing = StepRouting.stacked(steps)
+        with drain.beside(*routing.tensors(), *nlls, *toks, slots):
+            dev = stored(routing, slots)
             dev["nll"] = torch.cat(nlls).index_select(0, slots)
             dev["token_id"] = torch.cat(toks).index_select(0, slots).to(torch.int32)
         counts = plen + N
@@ -602,6 +665,9 @@ def check_config(cfg: CaptureConfig) -> None:
     if cfg.recording_stream not in RECORDING_STREAMS:
         raise InputError(f"recording_stream={cfg.recording_stream} is not valid; choose one of: "
                          f"{', '.join(RECORDING_STREAMS)}")
+    if cfg.record_block_tokens < 0:
+        raise InputError(f"record_block_tokens={cfg.record_block_tokens} must be >= 0 (0: every forward's "
+                         "rows handed on alone)")
     if cfg.prefill_tokens < 0:
         raise InputError(f"prefill_tokens={cfg.prefill_tokens} must be >= 0")
     if cfg.mode == "generate" and (cfg.generate.prompt_tokens < 1 or cfg.generate.new_tokens < 0):
@@ -644,7 +710,8 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
         with torch.inference_mode(), RouterRecorder(sites, storage.logits != "none", logits_are_probs,
                                                     storage.lookahead) as rec:
             if cfg.mode == "teacher_forced":
-                teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored, on_tokens)
+                teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored, on_tokens,
+                               cfg.record_block_tokens, RECORD_BLOCK_BYTES)
             else:
                 generate(model, rec, windows, cfg.batch_size, cfg.generate, cfg.model.seed, drain, stored,
                          on_tokens)

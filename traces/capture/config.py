@@ -88,5 +88,12 @@ class CaptureConfig:
     # the top-R logits selected by one Triton kernel on a GPU with Triton (traces/capture/top_r.py);
     # false, or where it cannot run: two stable sorts. The same rows either way
     top_r_kernel: bool = True
+    # teacher_forced: the recording holds the routing of consecutive forwards up to this many
+    # tokens (and RECORD_BLOCK_BYTES of device memory, traces/capture/capture.py), then stacks it,
+    # selects the stored forms and hands the rows on in one go: its host work per forward (a few
+    # dozen launches, on the thread that drives the model) is paid once per block. The last
+    # forward goes alone, so the close waits for one forward's rows. 0: every forward on its own.
+    # The same rows either way
+    record_block_tokens: int = 32768
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal

@@ -1,7 +1,8 @@
 """Forward hooks on the routers: what every MoE layer chose in one model forward.
 
 The hooks only keep references to the router's own outputs (on the model's device, no copy and
-no host synchronisation); :meth:`RouterRecorder.collect` stacks them once per forward.
+no host synchronisation); :meth:`RouterRecorder.take` hands them on per forward, and
+:meth:`StepRouting.stacked` stacks those of one or more forwards at once.
 
 *Look-ahead routing* (optional): at MoE layer l the recorder also runs the routers of MoE layers
 l+1 .. l+D on a hidden state of layer l, through each router's own ``forward`` (the very
@@ -34,6 +35,43 @@ LOOKAHEAD_SOURCES = ("moe_input", "layer_output")
 
 
 @dataclass
+class RawStep:
+    """What the hooks kept in one forward over N token slots, on the device and not yet stacked:
+    per MoE layer (logits or None, weights, ids), each [N, ...], and the look-ahead [N, D, E]
+    per layer (None without look-ahead)."""
+
+    outputs: list[tuple]
+    ahead: list[torch.Tensor] | None
+    num_slots: int
+
+    def nbytes(self) -> int:
+        """Device bytes these tensors hold."""
+        held = [t for o in self.outputs for t in o if t is not None] + list(self.ahead or [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+def stack_layers(parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """[sum of N_i, L, ...] from ``parts[i][l]`` [N_i, ...] (forward i, layer l): each forward's
+    layers stacked on axis 1, the forwards one after the other. Consecutive forwards of equal
+    shape take one stack and one copy together, so K forwards cost the device launches of one."""
+    runs: list[list[list[torch.Tensor]]] = []
+    for p in parts:
+        if runs and runs[-1][0][0].shape == p[0].shape:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    out = []
+    for run in runs:
+        if len(run) == 1:
+            out.append(torch.stack(run[0], dim=1))
+            continue
+        flat = torch.stack([t for p in run for t in p])  # [K * L, N, ...]
+        k, layers, n = len(run), len(run[0]), flat.shape[1]
+        out.append(flat.view(k, layers, *flat.shape[1:]).transpose(1, 2).reshape(k * n, layers, *flat.shape[2:]))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+@dataclass
 class StepRouting:
     """Routing of one forward over N token slots (padding included), L MoE layers, on device."""
 
@@ -43,14 +81,19 @@ class StepRouting:
     lookahead: torch.Tensor | None = None  # float32[N, L, D, E]: routers of l+1..l+D at l; -inf: none
 
     @classmethod
-    def cat(cls, steps: list[StepRouting]) -> StepRouting:
-        """The routing of several forwards, token slots one after the other."""
-        def join(name: str) -> torch.Tensor | None:
-            parts = [getattr(s, name) for s in steps]
-            return None if parts[0] is None else torch.cat(parts)
+    def stacked(cls, steps: list[RawStep]) -> StepRouting:
+        """The routing of one or more forwards (:meth:`RouterRecorder.take`), token slots one
+        after the other: every forward's layers stacked, in a few device copies for all of them
+        (one stack per run of forwards of equal size), not a few per forward."""
+        def join(field: int) -> torch.Tensor | None:
+            if steps[0].outputs[0][field] is None:
+                return None
+            return stack_layers([[o[field] for o in s.outputs] for s in steps])
 
-        return cls(experts=join("experts"), weights=join("weights"), logits=join("logits"),
-                   lookahead=join("lookahead"))
+        ahead = None
+        if steps[0].ahead is not None:
+            ahead = stack_layers([s.ahead for s in steps])
+        return cls(experts=join(2), weights=join(1).float(), logits=join(0), lookahead=ahead)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors held (those not None)."""
@@ -69,7 +112,7 @@ class RouterRecorder:
     """Hooks every router of a model; use as a context manager around the forwards to record.
 
     ``keep_logits`` False drops the logits at the hook (storage ``none``); ``lookahead`` adds the
-    look-ahead routing (module docstring). Each forward must be followed by :meth:`collect`,
+    look-ahead routing (module docstring). Each forward must be followed by :meth:`take` (or :meth:`collect`),
     which checks that every MoE layer's hooks fired exactly once.
     """
 
@@ -156,8 +199,9 @@ class RouterRecorder:
             ahead[:, d - 1] = self._as_logits(logits.detach().reshape(n, -1))
         return ahead
 
-    def collect(self, num_slots: int) -> StepRouting:
-        """Stack the routing of the forward that just ran; reset for the next one.
+    def take(self, num_slots: int) -> RawStep:
+        """What the hooks kept in the forward that just ran, not yet stacked (cheap: no device
+        work); reset for the next one. :meth:`StepRouting.stacked` stacks one or more of them.
 
         ``num_slots`` is the number of token slots the forward saw (batch x length).
         """
@@ -174,19 +218,16 @@ class RouterRecorder:
                 raise RuntimeError(
                     f"router '{site.name}' saw {ids.shape[0]} tokens, the forward had {num_slots}"
                 )
-        experts = torch.stack([o[2] for o in outputs], dim=1)
-        weights = torch.stack([o[1] for o in outputs], dim=1).float()
-        logits = torch.stack([o[0] for o in outputs], dim=1) if self.keep_logits else None
-        return StepRouting(experts=experts, weights=weights, logits=logits, lookahead=self._stack_ahead(ahead))
+        if self.lookahead:
+            missing = [self.sites[j].layer_id for j, a in enumerate(ahead) if a is None]
+            if missing:
+                raise RuntimeError(f"no look-ahead recorded at MoE layers {missing} in this forward")
+        return RawStep(outputs=outputs, ahead=ahead if self.lookahead else None, num_slots=num_slots)
 
-    def _stack_ahead(self, ahead: list[torch.Tensor | None]) -> torch.Tensor | None:
-        """float32[N, L, D, E] from the per-layer look-ahead."""
-        if not self.lookahead:
-            return None
-        missing = [self.sites[j].layer_id for j, a in enumerate(ahead) if a is None]
-        if missing:
-            raise RuntimeError(f"no look-ahead recorded at MoE layers {missing} in this forward")
-        return torch.stack(ahead, dim=1)
+    def collect(self, num_slots: int) -> StepRouting:
+        """The routing of the forward that just ran, stacked (:meth:`take`, then
+        :meth:`StepRouting.stacked`); reset for the next one."""
+        return StepRouting.stacked([self.take(num_slots)])
 
 
 def check_lookahead_source(source: str) -> None:
