@@ -181,21 +181,23 @@ def test_generation_records_the_models_routing(arch):
 def test_forwards_held_in_blocks_record_the_rows_of_forwards_handed_on_alone(arch):
     """record_block_tokens holds the routing of several forwards and hands it on in one block:
     the same rows as one forward at a time, with padded and unpadded forwards mixed (a run of
-    equal-shape forwards takes one stack), look-ahead and full logits; the last forward alone."""
+    equal-shape forwards takes one stack), look-ahead and full logits; no block larger than what
+    comes after it, the last forward alone."""
     from traces.capture.config import LookaheadConfig
 
     model = tiny_model(arch)
-    # batches of 2: (9, 14) and (3, 6) padded, (14, 14) twice unpadded and equal, (4, 4), (11,) last
-    wins = windows([9, 14, 3, 6, 14, 14, 14, 14, 4, 4, 11], seed=3)
+    # batches of 2: (14, 14) twice and (9, 14) of 28 slots, (3, 6), (4, 4), (5, 5), (7, 7), (20, 20), (11,)
+    wins = windows([14, 14, 14, 14, 9, 14, 3, 6, 4, 4, 5, 5, 7, 7, 20, 20, 11], seed=3)
     la = LookaheadConfig(enabled=True, depth=1, logits="full")
     kw = dict(batch_size=2, logits="full", lookahead=la, prefill_tokens=5)
     alone, blocks = [], []
     capture_windows(model, find_routers(model), wins, CaptureConfig(record_block_tokens=0, **kw), alone.append)
     capture_windows(model, find_routers(model), wins, CaptureConfig(record_block_tokens=100, **kw), blocks.append)
-    assert [r.num_tokens for r in alone] == [23, 9, 28, 28, 8, 11]
-    # held while the slots held and as many again as the last forward's fit in 100 (28, 40, 68, 96
-    # slots); the one before the last and the last alone
-    assert [r.num_tokens for r in blocks] == [23 + 9 + 28 + 28, 8, 11]
+    assert [r.num_tokens for r in alone] == [28, 28, 23, 9, 8, 10, 14, 40, 11]
+    # forwards of 28, 28, 28, 12, 8, 10, 14, 40 and 11 slots: held while the slots held and as many
+    # again as the last forward's fit in 100 and in the slots of the forwards after it (151, 123,
+    # 95, 83, 75, 65, 51, 11, 0). The first block is one run of equal shape, padded or not
+    assert [r.num_tokens for r in blocks] == [28 + 28 + 23, 9 + 8 + 10 + 14, 40, 11]
     kept = [f for f in Rows.__dataclass_fields__ if getattr(alone[0], f) is not None]
     assert {"logits", "lookahead_logits", "nll"} <= set(kept)
     for f in kept:

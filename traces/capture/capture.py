@@ -434,11 +434,15 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
     The routing of consecutive forwards is held (up to ``block_tokens`` token slots and
     ``block_bytes`` of router outputs; 0: none held) and handed on in one block: stacked, put in
     stored form by ``stored(routing, slots)`` (the device tensors to keep, :func:`_routing_parts`)
-    and queued to the drain. The last forward always goes alone, so that the writer's close waits
-    for one forward's rows only. The same rows either way.
+    and queued to the drain. Towards the end the blocks shrink: a block holds no more slots than
+    the forwards after it, so the writer (faster than the model) has encoded it before the last
+    forward ends, and the last forward goes alone: the close waits for one forward's rows only.
+    The same rows either way.
     """
     device = model.device
     todo = list(batches(windows, batch_size))
+    slots_of = [len(b) * max(len(w.tokens) for w in b) for b in todo]
+    after = np.cumsum(slots_of[::-1])[::-1].tolist()[1:] + [0]  # slots of the forwards after each
     held: list[_Forward] = []
     for i, batch in enumerate(todo):
         ids, lengths, input_ids, mask = right_padded(batch, device)
@@ -451,8 +455,8 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
         on_tokens(int(lengths.sum()))
         slots_held = sum(len(f.lengths) * f.S for f in held)
         bytes_held = sum(f.raw.nbytes() for f in held)
-        if (i + 2 >= len(todo) or slots_held + B * S > block_tokens
-                or bytes_held + raw.nbytes() > block_bytes):
+        # hand on unless one more forward like this one fits
+        if slots_held + B * S > min(block_tokens, after[i]) or bytes_held + raw.nbytes() > block_bytes:
             _hand_on(held, prefill_tokens, drain, stored, device)
             held = []
 
