@@ -1005,6 +1005,22 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     assert bad.returncode != 0 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in batch_size (1, 16); pool runs of '
                                                'one setting only']
+    # results saved before record_block_tokens existed ran every forward alone: they pool with
+    # block 0 and not with blocks, which the rows name
+    held = json.loads((tmp_path / "a.json").read_text())
+    for name, block in (("alone.json", 0), ("held.json", 32768)):
+        held["runs"][0]["record_block_tokens"] = block
+        (tmp_path / name).write_text(json.dumps(held))
+    ok = subprocess.run(tool + [str(tmp_path / "alone.json"), result("b.json", 16, 1.15)], capture_output=True,
+                        text=True, env=env, check=True).stdout
+    assert "pooled: 2 runs" in ok and "blocks" not in ok
+    bad = subprocess.run(tool + [str(tmp_path / "held.json"), result("b.json", 16, 1.15)], capture_output=True,
+                         text=True, env=env)
+    assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in record_block_tokens (0, 32768); '
+                                               'pool runs of one setting only']
+    row = subprocess.run(tool[:-1] + [str(tmp_path / "held.json")], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()[-1]
+    assert "dispatcher, forwards held in blocks of 32,768 tokens |" in row
     short = json.loads((tmp_path / "a.json").read_text())
     short["runs"][0]["rounds_s"]["capture"].pop()  # a round without its capture time
     (tmp_path / "short.json").write_text(json.dumps(short))

@@ -45,7 +45,8 @@ def rows(path: Path) -> list[str]:
 
 
 SAME = ("model", "batch_size", "tokens", "logits", "lookahead", "writer", "writers", "recording_stream", "shared_rows",
-        "top_r_kernel", "model_cpu")  # what runs pooled must share
+        "top_r_kernel", "model_cpu", "record_block_tokens")  # what runs pooled must share
+BEFORE = {"record_block_tokens": 0}  # what results saved before a setting existed ran with
 
 
 def pooled_row(paths: list[Path]) -> str:
@@ -55,7 +56,7 @@ def pooled_row(paths: list[Path]) -> str:
     if not runs:
         raise InputError("--pooled: no run holds its rounds; give results written since the bench kept them")
     for name in SAME:
-        values = {json.dumps((bench if name == "model" else r).get(name)) for bench, r in runs}
+        values = {json.dumps((bench if name == "model" else r).get(name, BEFORE.get(name))) for bench, r in runs}
         if len(values) > 1:
             raise InputError(f"--pooled: the runs differ in {name} ({', '.join(sorted(values))}); pool runs of one "
                              "setting only")
@@ -118,6 +119,8 @@ def _setting(r: dict) -> str:
         parts.append("top-R by two sorts")
     if r.get("shared_rows") is False:
         parts.append("rows copied")
+    if r.get("record_block_tokens"):
+        parts.append(f"forwards held in blocks of {r['record_block_tokens']:,} tokens")
     return "".join(f", {p}" for p in parts)
 
 
