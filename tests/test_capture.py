@@ -732,7 +732,7 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         [" 1 dispatcher, 30-token units, rows copied, recording on the main stream, " + HELD, " 1 "]]
 
 
-HELD = "forwards held in blocks of 32,768 tokens "  # the default record_block_tokens, in the bench's table
+HELD = "forwards held in blocks of 8,192 tokens "  # the default record_block_tokens, in the bench's table
 
 
 def test_bench_compares_forwards_held_in_blocks_with_forwards_alone_in_the_same_rounds(tmp_path, capsys,
@@ -1021,6 +1021,21 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     row = subprocess.run(tool[:-1] + [str(tmp_path / "held.json")], capture_output=True, text=True, env=env,
                          check=True).stdout.splitlines()[-1]
     assert "dispatcher, forwards held in blocks of 32,768 tokens |" in row
+    # --where keeps the runs of one setting: results from before it count as what they ran
+    both = json.loads((tmp_path / "held.json").read_text())
+    both["runs"].append({**both["runs"][0], "record_block_tokens": 0,
+                         "rounds_s": {**both["runs"][0]["rounds_s"], "capture": [1.15] * 3}})
+    (tmp_path / "both.json").write_text(json.dumps(both))
+    out = subprocess.run(tool + ["--where", "record_block_tokens=0", str(tmp_path / "both.json"),
+                                 result("a.json", 16, 1.05)], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()
+    assert [line.split(" | ")[0] for line in out[2:]] == ["| both", "| a", "| pooled: 2 runs"]
+    assert "+10.0 % (+5.0 to +15.0 %)" in out[-1]
+    bad = subprocess.run(tool + ["--where", "blocks=0", str(tmp_path / "both.json")], capture_output=True,
+                         text=True, env=env)
+    err = bad.stderr.strip().splitlines()
+    assert bad.returncode != 0 and len(err) == 1 and err[0].startswith(
+        "error: --where blocks=0: give KEY=VALUE with KEY one of model, batch_size,") and "record_block_tokens" in err[0]
     short = json.loads((tmp_path / "a.json").read_text())
     short["runs"][0]["rounds_s"]["capture"].pop()  # a round without its capture time
     (tmp_path / "short.json").write_text(json.dumps(short))

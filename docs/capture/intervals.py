@@ -22,9 +22,9 @@ from traces.errors import InputError
 from traces.provenance import find_commit
 
 
-def _runs(path: Path) -> list[tuple[dict, dict]]:
-    """(result, run) of each run of a saved result; a run's rounds, where it kept them, are one
-    number per round for each pass."""
+def _runs(path: Path, where: dict[str, str] | None = None) -> list[tuple[dict, dict]]:
+    """(result, run) of each run of a saved result whose settings match ``where`` (:func:`parse_where`);
+    a run's rounds, where it kept them, are one number per round for each pass."""
     try:
         bench = json.loads(path.read_text())
         runs = [(bench, r) for r in bench["runs"]]
@@ -34,14 +34,34 @@ def _runs(path: Path) -> list[tuple[dict, dict]]:
                 if len({len(x) for x in rounds}) != 1 or not rounds[0]:
                     raise ValueError("rounds_s: forward, hooks and capture need one time each per round")
             r["capture_overhead_pct"], r["hooks_overhead_pct"], r["batch_size"]  # noqa: B018 - every row shows them
-        return runs
+        return [(b, r) for b, r in runs
+                if all(json.dumps(_setting_of(b, r, k)) == v for k, v in (where or {}).items())]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{path}: not a capture bench result ({type(e).__name__}: {e}); give files written by "
                          "python -m traces.capture.bench --out") from None
 
 
-def rows(path: Path) -> list[str]:
-    return [row for bench, r in _runs(path) if (row := _row(path, bench, r))]
+def rows(path: Path, where: dict[str, str] | None = None) -> list[str]:
+    return [row for bench, r in _runs(path, where) if (row := _row(path, bench, r))]
+
+
+def _setting_of(bench: dict, r: dict, name: str):
+    """A run's value of the setting ``name`` (:data:`SAME`), as results from before it was recorded ran."""
+    return (bench if name == "model" else r).get(name, BEFORE.get(name))
+
+
+def parse_where(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items (``--where``) -> {key: value as JSON text}; KEY one of :data:`SAME`."""
+    where = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in SAME:
+            raise InputError(f"--where {item}: give KEY=VALUE with KEY one of {', '.join(SAME)}")
+        try:
+            where[key] = json.dumps(json.loads(value))
+        except ValueError:
+            where[key] = json.dumps(value)  # a bare word: a string setting
+    return where
 
 
 SAME = ("model", "batch_size", "tokens", "logits", "lookahead", "writer", "writers", "recording_stream", "shared_rows",
@@ -49,14 +69,15 @@ SAME = ("model", "batch_size", "tokens", "logits", "lookahead", "writer", "write
 BEFORE = {"record_block_tokens": 0}  # what results saved before a setting existed ran with
 
 
-def pooled_row(paths: list[Path]) -> str:
-    """One Markdown row for the runs of ``paths`` together (they must share one setting)."""
-    runs = [(bench, r) for path in paths for bench, r in _runs(path) if {"forward", "hooks", "capture"} <= r.get(
+def pooled_row(paths: list[Path], where: dict[str, str] | None = None) -> str:
+    """One Markdown row for the runs of ``paths`` (those matching ``where``) together; they must
+    share one setting."""
+    runs = [(bench, r) for path in paths for bench, r in _runs(path, where) if {"forward", "hooks", "capture"} <= r.get(
         "rounds_s", {}).keys()]
     if not runs:
         raise InputError("--pooled: no run holds its rounds; give results written since the bench kept them")
     for name in SAME:
-        values = {json.dumps((bench if name == "model" else r).get(name, BEFORE.get(name))) for bench, r in runs}
+        values = {json.dumps(_setting_of(bench, r, name)) for bench, r in runs}
         if len(values) > 1:
             raise InputError(f"--pooled: the runs differ in {name} ({', '.join(sorted(values))}); pool runs of one "
                              "setting only")
@@ -129,10 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("files", nargs="+", type=Path, help="bench results (JSON)")
     p.add_argument("--pooled", action="store_true",
                    help="a last row for all the runs together (the mean of their figures; one setting only)")
+    p.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                   help="only the runs with this setting, e.g. record_block_tokens=0 (repeatable; results "
+                        "from before a setting was recorded count as what they ran)")
     args = p.parse_args(argv)
-    table = [row for path in args.files for row in rows(path)]
+    where = parse_where(args.where)
+    table = [row for path in args.files for row in rows(path, where)]
     if args.pooled:
-        table.append(pooled_row(args.files))
+        table.append(pooled_row(args.files, where))
     print("| result | GPU | model | batch | encoders | rounds | capture overhead (95 % interval) | "
           "median round (95 % interval) | recording alone (95 % interval) |")
     print("|---|---|---|---|---|---|---|---|---|")

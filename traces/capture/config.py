@@ -91,9 +91,12 @@ class CaptureConfig:
     # teacher_forced: the recording holds the routing of consecutive forwards up to this many
     # tokens (and RECORD_BLOCK_BYTES of device memory, traces/capture/capture.py), then stacks it,
     # selects the stored forms and hands the rows on in one go: its host work per forward (a few
-    # dozen launches, on the thread that drives the model) is paid once per block. The last
-    # forward goes alone, so the close waits for one forward's rows. 0: every forward on its own.
-    # The same rows either way
-    record_block_tokens: int = 32768
+    # dozen launches, on the thread that drives the model) is paid once per block. Blocks shrink
+    # towards the end; the last forward goes alone. 0: every forward on its own. The same rows
+    # either way. The default holds forwards of up to 4,096 tokens (batch 1 to 8 of 512-token
+    # windows): at batch 1 the small Qwen3-Next shape captured 2.3 % faster with blocks (16 of 20
+    # rounds); at batch 16, blocks of four 8,192-token forwards made the recording 2.3 % slower
+    # (6 of 6 rounds; docs/CAPTURE.md, runs 1206p and 1206q)
+    record_block_tokens: int = 8192
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal
