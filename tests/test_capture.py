@@ -735,15 +735,26 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
 HELD = "forwards held in blocks of 8,192 tokens "  # the default record_block_tokens, in the bench's table
 
 
-def test_bench_compares_forwards_held_in_blocks_with_forwards_alone_in_the_same_rounds(tmp_path, capsys,
-                                                                                         monkeypatch):
+def _bench_spied(tmp_path, monkeypatch, spy, *flags) -> list[dict]:
+    """The bench's runs on a tiny model (CPU, 200 tokens in 50-token windows, one encoder), each
+    ``capture_windows`` call going through ``spy(real, model, sites, windows, cfg, write, ...)``."""
     from traces.capture import bench
     from traces.capture import capture as C
 
-    writes: dict[int, list[int]] = {}
     real = C.capture_windows
+    monkeypatch.setattr(C, "capture_windows", lambda *args, **kwargs: spy(real, *args, **kwargs))
+    out = tmp_path / "bench.json"
+    bench.main(["--config", str(_tiny_model_dir(tmp_path)), "--input", str(tmp_path / "a.txt"), "--tokens", "200",
+                "--window", "50", "--device", "cpu", "--dtype", "float32", "--writers", "1", *flags,
+                "--out", str(out)])
+    return json.loads(out.read_text())["runs"]
 
-    def recorded(model, sites, windows, cfg, write, *args, **kwargs):
+
+def test_bench_compares_forwards_held_in_blocks_with_forwards_alone_in_the_same_rounds(tmp_path, capsys,
+                                                                                         monkeypatch):
+    writes: dict[int, list[int]] = {}
+
+    def spy(real, model, sites, windows, cfg, write, *args, **kwargs):
         n = writes.setdefault(cfg.record_block_tokens, [])
         n.append(0)
 
@@ -752,13 +763,8 @@ def test_bench_compares_forwards_held_in_blocks_with_forwards_alone_in_the_same_
             return write(rows)
         return real(model, sites, windows, cfg, counted, *args, **kwargs)
 
-    monkeypatch.setattr(C, "capture_windows", recorded)
-    config = _tiny_model_dir(tmp_path)
-    out = tmp_path / "bench.json"
-    bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
-                "--batch-sizes", "1", "--repeats", "1", "--device", "cpu", "--dtype", "float32", "--writers", "1",
-                "--writer", "threads", "--record-block-tokens", "100,0", "--out", str(out)])
-    runs = json.loads(out.read_text())["runs"]
+    runs = _bench_spied(tmp_path, monkeypatch, spy, "--batch-sizes", "1", "--repeats", "1", "--writer", "threads",
+                        "--record-block-tokens", "100,0")
     assert [r["record_block_tokens"] for r in runs] == [100, 0]
     assert len({tuple(r["rounds_s"]["forward"]) for r in runs}) == 1  # one forward for both
     # four forwards of 50 tokens: in blocks of 100, two together, then the last two alone; per pass
@@ -770,23 +776,14 @@ def test_bench_compares_forwards_held_in_blocks_with_forwards_alone_in_the_same_
 
 
 def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_path, capsys, monkeypatch):
-    from traces.capture import bench
-    from traces.capture import capture as C
-
     calls = []
-    real = C.capture_windows
 
-    def recorded(model, sites, windows, cfg, write, *args, block=None, **kwargs):
+    def spy(real, model, sites, windows, cfg, write, *args, block=None, **kwargs):
         calls.append((cfg.top_r_kernel, block is not None))  # a capture lends the writer's memory
         return real(model, sites, windows, cfg, write, *args, block=block, **kwargs)
 
-    monkeypatch.setattr(C, "capture_windows", recorded)
-    config = _tiny_model_dir(tmp_path)
-    out = tmp_path / "bench.json"
-    bench.main(["--config", str(config), "--input", str(tmp_path / "a.txt"), "--tokens", "200", "--window", "50",
-                "--batch-sizes", "4", "--repeats", "2", "--device", "cpu", "--dtype", "float32", "--writers", "1",
-                "--writer", "threads,dispatcher", "--top-r-kernel", "1,0", "--out", str(out)])
-    runs = json.loads(out.read_text())["runs"]
+    runs = _bench_spied(tmp_path, monkeypatch, spy, "--batch-sizes", "4", "--repeats", "2",
+                        "--writer", "threads,dispatcher", "--top-r-kernel", "1,0")
     assert [(r["writer"], r["top_r_kernel"]) for r in runs] == [
         ("threads", True), ("threads", False), ("dispatcher", True), ("dispatcher", False)]
     assert len({tuple(r["rounds_s"]["forward"]) for r in runs}) == 1  # one forward for all

@@ -79,7 +79,8 @@ def instrument() -> None:
     capture.token_nll = timed("NLL: the rest", capture.token_nll)
     nll.log_sum_exp = timed("NLL: the kernel", nll.log_sum_exp)
     capture._Drain.put = timed("hand to the drain (copies queued)", capture._Drain.put)
-    hooks.RouterRecorder.collect = timed("collect (stack)", hooks.RouterRecorder.collect)
+    hooks.RouterRecorder.take = timed("take (the hooks' outputs)", hooks.RouterRecorder.take)
+    hooks.StepRouting.stacked = classmethod(timed("stacking the routing", hooks.StepRouting.stacked.__func__))
     make_hook = hooks.RouterRecorder._hook
     hooks.RouterRecorder._hook = lambda self, j: timed("router hooks", make_hook(self, j))
 
