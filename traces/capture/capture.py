@@ -444,6 +444,7 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
     slots_of = [len(b) * max(len(w.tokens) for w in b) for b in todo]
     after = np.cumsum(slots_of[::-1])[::-1].tolist()[1:] + [0]  # slots of the forwards after each
     held: list[_Forward] = []
+    slots_held = bytes_held = 0
     for i, batch in enumerate(todo):
         ids, lengths, input_ids, mask = right_padded(batch, device)
         B, S = ids.shape
@@ -453,12 +454,12 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
             nll = token_nll(out.logits, input_ids).reshape(-1)
         held.append(_Forward(batch, lengths, S, raw, nll))
         on_tokens(int(lengths.sum()))
-        slots_held = sum(len(f.lengths) * f.S for f in held)
-        bytes_held = sum(f.raw.nbytes() for f in held)
+        nbytes = raw.nbytes()
+        slots_held, bytes_held = slots_held + B * S, bytes_held + nbytes
         # hand on unless one more forward like this one fits
-        if slots_held + B * S > min(block_tokens, after[i]) or bytes_held + raw.nbytes() > block_bytes:
+        if slots_held + B * S > min(block_tokens, after[i]) or bytes_held + nbytes > block_bytes:
             _hand_on(held, prefill_tokens, drain, stored, device)
-            held = []
+            held, slots_held, bytes_held = [], 0, 0
 
 
 def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -> None:
