@@ -640,7 +640,8 @@ def test_writer_settings_are_checked_before_the_model_runs():
     for bad, words in [({"writer": "fork"}, "writer=fork is not valid; choose one of: processes, threads"),
                        ({"writers": -1}, "writers=-1 must be >= 0"),
                        ({"unit_tokens": -5}, "unit_tokens=-5 must be >= 0"),
-                       ({"recording_stream": "other"}, "recording_stream=other is not valid; choose one of: side, main")]:
+                       ({"recording_stream": "other"}, "recording_stream=other is not valid; choose one of: side, main"),
+                       ({"record_block_tokens": -1}, r"record_block_tokens=-1 must be >= 0 \(0: every forward's rows")]:
         with pytest.raises(InputError, match=words):  # before the input paths are looked at
             check_config(CaptureConfig(**bad))
     with pytest.raises(InputError, match="input.paths is empty"):

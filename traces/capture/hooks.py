@@ -53,7 +53,7 @@ class RawStep:
 def stack_layers(parts: list[list[torch.Tensor]]) -> torch.Tensor:
     """[sum of N_i, L, ...] from ``parts[i][l]`` [N_i, ...] (forward i, layer l): each forward's
     layers stacked on axis 1, the forwards one after the other. Consecutive forwards of equal
-    shape take one stack and one copy together, so K forwards cost the device launches of one."""
+    shape take one stack and one copy together, however many they are."""
     runs: list[list[list[torch.Tensor]]] = []
     for p in parts:
         if runs and runs[-1][0][0].shape == p[0].shape:
