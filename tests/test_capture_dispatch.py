@@ -231,6 +231,49 @@ time.sleep(120)
     assert not [s for s in slabs if Path(s).exists()]
 
 
+def test_only_an_input_ended_without_goodbye_makes_the_dispatcher_remove_the_slabs(tmp_path):
+    """A killed process's pipes close before it is reaped, so the dispatcher may see its input end
+    while the dead process is still its parent. It tells a death from a close by the goodbye
+    :meth:`_Dispatcher.close` sends: here the parent lives on in every case, and the slabs the
+    dispatcher was lent go only where the input ended without one."""
+    from pathlib import Path
+
+    meta, cols = trace_columns(tokens=300)
+
+    def lend_and_write(path):
+        w, lent = D.DispatchedTraceWriter(path, meta, unit_tokens=64, workers=1), []
+        for piece in blocks(cols, [100, 200]):
+            b = w.block({n: (v.dtype, v.shape) for n, v in piece.items()})
+            for n, v in piece.items():
+                b.views[n][...] = v
+            lent.append(b.slab.path)
+            w.write(**b.views)
+        return w, lent
+
+    for goodbye in (True, False):
+        path = tmp_path / f"t{goodbye}.parquet"
+        w, lent = lend_and_write(path)
+        assert lent and all(Path(s).exists() for s in lent)
+        if goodbye:
+            w._child.send(("bye",))
+        w._child.proc.stdin.close()  # mid-file: the dispatcher aborts its writer
+        w._child.proc.wait(timeout=60)
+        assert list(tmp_path.iterdir()) == []
+        assert [Path(s).exists() for s in lent] == [goodbye] * len(lent)
+        w.abort()  # the dispatcher has exited: its slabs are lent again here
+    with W._SLAB_LOCK:  # this process lives on: forget the slabs the dispatcher removed
+        for slab in [s for s in W._SLABS if s.path in lent]:
+            W._SLABS.remove(slab)
+            W._FREE_SLABS.remove(slab)
+            slab.close()
+    w, lent = lend_and_write(tmp_path / "closed.parquet")
+    w.close()
+    child = w._child
+    W._IDLE[D._Dispatcher].remove(child)  # given back for the next writer; closed now as at exit
+    child.close()  # _Dispatcher.close says goodbye
+    assert child.proc.returncode == 0 and all(Path(s).exists() for s in lent)
+
+
 def test_shared_files_of_processes_that_no_longer_run_are_swept(tmp_path):
     """Shared files named for a process that has exited are removed; this process's, a live
     process's and other files are kept."""

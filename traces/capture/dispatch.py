@@ -65,6 +65,14 @@ class _Dispatcher(_Child):
     # (:meth:`DispatchedTraceWriter._end`); a Ctrl-C reaches the capture, which aborts the writer
     session = True
 
+    def close(self) -> None:
+        """Say goodbye first: an end of input without it means the capturing process died, and
+        only then does the dispatcher remove the slabs it was lent (:func:`_serve`)."""
+        with contextlib.suppress(BrokenPipeError, ValueError, OSError):
+            pickle.dump(("bye",), self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.flush()
+        super().close()
+
 
 class DispatchedTraceWriter(BoundedLending):
     """:class:`~traces.capture.writer.ParallelTraceWriter` (encoders in processes) run by a
@@ -218,10 +226,12 @@ def _serve() -> None:
 
     At the end of its input (the capturing process closed it, or was killed) a writer still open
     is aborted, its hidden files removed; where the capturing process is gone, nothing is told
-    any more, and the slabs it lent, which it can no longer remove, are removed here."""
+    any more, and the slabs it lent, which it can no longer remove, are removed here. Gone means
+    the input ended without ``("bye",)`` (:meth:`_Dispatcher.close`): a killed process's pipes
+    close before it is reaped, so its children may see the end while it is still their parent."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     lock = threading.Lock()
-    capturing, gone = os.getppid(), [False]
+    gone = [False]
 
     def tell(kind: str, value=None) -> None:
         with lock:
@@ -234,19 +244,22 @@ def _serve() -> None:
                 gone[0] = True
 
     writer: ParallelTraceWriter | None = None
-    failed = False
+    failed = bye = False
     while True:
         try:
             request = pickle.load(stdin)
         except EOFError:
             if writer is not None:
                 writer.abort()
-            if os.getppid() != capturing:  # handed to another parent: the capturing process died
+            if not bye:  # the capturing process died (or exited without closing us)
                 for path in _MAPPED:  # removed by name; the maps go with this process
                     with contextlib.suppress(OSError):
                         os.unlink(path)
             return
         kind = request[0]
+        if kind == "bye":
+            bye = True
+            continue
         try:
             if kind == "open":
                 _, path, meta, unit_tokens, workers, expected_tokens = request
