@@ -189,7 +189,11 @@ NOTES = """\
   two bench runs). Of what is left, the walk is not the cost: it looks at 1.67 candidates per
   substitution. The mass histogram is part of it: with 1,000 bins instead of 100,000 (one process,
   21 rounds) rule015 + LRU went 0.645 -> 0.686x, with 10,000 0.657x; its resolution is the
-  results' (mass percentiles), so it stays. quality_first and fetch_all + LFU pay the frequency
+  results' (mass percentiles), so it stays. Its 100,000 bins in uint16 counts (200 KB instead of
+  800 KB; a bin's 65,536th count spilling into an int64 copy, exact) gave no gain side by side
+  (2026-12-06, docs/bench/trees_side_by_side.py, 5 processes of 9 rounds per tree: rule015 +
+  LRU 1.82-1.90x -> 1.83-1.90x the minimal kernel, quality_first 2.97-3.34x -> 2.96-3.21x,
+  fetch_all + LRU 1.15-1.19x -> 1.18-1.22x): left out. quality_first and fetch_all + LFU pay the frequency
   order: an indexed heap per pool with lazily refreshed keys, and recent admissions held out of it
   (91 % of fetch_all + LFU's victims at Qwen3-Next, sorted at each trim). Side by side (Qwen3-Next
   shape, 4,096 tokens): LFU's selection pass with LRU's order runs at 0.88x fetch_all + LRU, so
