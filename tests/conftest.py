@@ -1,10 +1,23 @@
 """Fixtures shared by the test modules."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from traces.format import ArraySource
 from traces.synth import synth_trace
+
+# The capture writer's shared-memory files of this test process (and of the children it starts,
+# which inherit the variable) in a folder of its own, so that tests counting the files left behind
+# do not see those of the other test processes running beside it (pytest -n). Removed at exit,
+# after the writer's own clean-up (atexit runs in reverse order; the writer is imported later).
+_SHARED = tempfile.mkdtemp(prefix="moe-tests-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+os.environ["MOE_TRACE_SHARED_DIR"] = _SHARED
+atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)
 
 
 @pytest.fixture

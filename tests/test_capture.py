@@ -648,6 +648,17 @@ def test_writer_settings_are_checked_before_the_model_runs():
         check_config(CaptureConfig(writer="threads"))
 
 
+def test_a_shared_folder_that_is_not_one_is_refused_before_the_model_runs(tmp_path, monkeypatch):
+    from traces.capture.capture import check_config
+    from traces.capture.config import InputConfig
+
+    monkeypatch.setenv("MOE_TRACE_SHARED_DIR", str(tmp_path / "no"))
+    with pytest.raises(InputError, match=r"^MOE_TRACE_SHARED_DIR=\S+/no is not a folder; create it .* or unset it$"):
+        check_config(CaptureConfig(input=InputConfig(paths=[str(tmp_path)])))
+    monkeypatch.setenv("MOE_TRACE_SHARED_DIR", str(tmp_path))
+    check_config(CaptureConfig(input=InputConfig(paths=[str(tmp_path)])))
+
+
 def _tiny_model_dir(tmp_path) -> Path:
     tiny_config("qwen3_moe").save_pretrained(tmp_path / "m")
     _tiny_tokenizer(tmp_path / "m")
@@ -839,17 +850,17 @@ def test_bench_rounds_count_the_cpu_of_the_calling_thread_apart_from_the_others(
         t.join()
 
     spinner = ("import time\nt = time.process_time()\n"
-               "while time.process_time() - t < 0.3: pass\ninput()")
+               "while time.process_time() - t < 0.3: pass\nprint('spun', flush=True)\ninput()")
 
     def busy_child():  # a running child, as the writer's encoders are kept between writers
-        child = subprocess.Popen([sys.executable, "-c", spinner], stdin=subprocess.PIPE)
-        time.sleep(0.6)  # (spins 0.3 s, then waits for its input)
-        spin.child = child
+        spin.child = subprocess.Popen([sys.executable, "-c", spinner], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert spin.child.stdout.readline() == b"spun\n"  # it spun 0.3 s, and waits for its input
 
     def busy_grandchild():  # a dispatcher's encoders: children of a child
         spin.child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
-                                       f"subprocess.run([sys.executable, '-c', {spinner!r}])"], stdin=subprocess.PIPE)
-        time.sleep(0.8)
+                                       f"subprocess.run([sys.executable, '-c', {spinner!r}])"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert spin.child.stdout.readline() == b"spun\n"
 
     def end_child():
         spin.child.communicate(b"\n")

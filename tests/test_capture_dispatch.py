@@ -274,6 +274,50 @@ def test_only_an_input_ended_without_goodbye_makes_the_dispatcher_remove_the_sla
     assert child.proc.returncode == 0 and all(Path(s).exists() for s in lent)
 
 
+def test_the_shared_files_go_where_moe_trace_shared_dir_says_also_in_the_children(tmp_path, monkeypatch):
+    """$MOE_TRACE_SHARED_DIR: this process's slabs are made there, the dispatcher and its
+    encoders and joiner start with it (they make their blocks where it says), and a sweep looks
+    there; the trace is written as ever, and closing the children leaves the folder empty."""
+    from pathlib import Path
+
+    from traces.capture.cores import descendants
+    from traces.format import read_trace
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setenv(W.SHARED_DIR_ENV, str(folder))
+    W._close_children()  # children started from now on, with the variable
+    made = []
+    real = W._Shared.__init__
+
+    def spy(self, nbytes, path=None, prefix=W.SHARED_PREFIXES[0]):
+        real(self, nbytes, path, prefix)
+        made.append(self.path)
+
+    monkeypatch.setattr(W._Shared, "__init__", spy)
+    meta, cols = trace_columns(tokens=300)
+    path = tmp_path / "t.parquet"
+    with D.DispatchedTraceWriter(path, meta, unit_tokens=64, workers=2) as w:
+        for piece in blocks(cols, [100, 200]):
+            b = w.block({n: (v.dtype, v.shape) for n, v in piece.items()})
+            for n, v in piece.items():
+                b.views[n][...] = v
+            w.write(**b.views)
+        if Path("/proc/self/environ").exists():
+            family = [w._child.proc.pid, *descendants(w._child.proc.pid)]
+            assert len(family) == 4  # the dispatcher, two encoders, the joiner
+            for pid in family:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                assert f"{W.SHARED_DIR_ENV}={folder}".encode() in env
+    assert read_trace(path)[1].num_tokens == 300
+    assert made and all(Path(p).parent == folder for p in made)
+    dead = folder / f"{W.SHARED_PREFIXES[0]}{2**22 + 7}-x"  # above Linux's largest process id
+    dead.write_bytes(b"x")
+    assert W.remove_orphan_shared() == [dead]
+    W._close_children()  # the slabs kept for the next writer too
+    assert list(folder.iterdir()) == []
+
+
 def test_shared_files_of_processes_that_no_longer_run_are_swept(tmp_path):
     """Shared files named for a process that has exited are removed; this process's, a live
     process's and other files are kept."""

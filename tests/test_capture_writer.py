@@ -367,9 +367,9 @@ def stray_blocks() -> set[str]:
     """Blocks of shared memory that no idle encoder process keeps for its next unit."""
     from traces.capture import writer as writer_module
 
-    folder = Path("/dev/shm")
+    folder = Path(writer_module.shared_folder() or writer_module.tempfile.gettempdir())
     kept = {c.block.path for c in writer_module._IDLE.get(writer_module._Encoder, []) if c.block}
-    return {str(p) for p in folder.glob("moe-trace-encoder-*")} - kept if folder.is_dir() else set()
+    return {str(p) for p in folder.glob("moe-trace-encoder-*")} - kept
 
 
 def test_a_joiner_process_that_dies_fails_the_file_and_leaves_nothing(tmp_path, monkeypatch):
@@ -534,7 +534,7 @@ def test_shared_memory_without_room_is_refused_before_anything_is_written(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(W.os, "posix_fallocate", full, raising=False)
-    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(W.tempfile.gettempdir())
+    folder = Path(W.shared_folder() or W.tempfile.gettempdir())
     before = set(folder.glob("moe-trace-rows-*"))
     meta, cols = trace_columns()
     path = tmp_path / "t.parquet"

@@ -47,7 +47,7 @@ from traces.capture.hooks import (
 from traces.capture.nll import token_nll
 from traces.capture.routers import RouterSite, routing_metadata
 from traces.capture.text import Window, make_windows, read_documents
-from traces.capture.writer import ParallelTraceWriter
+from traces.capture.writer import ParallelTraceWriter, shared_folder
 from traces.errors import InputError
 from traces.format import (
     LOOKAHEAD_NO_LAYER,
@@ -679,6 +679,7 @@ def check_config(cfg: CaptureConfig) -> None:
         raise InputError("generate.prompt_tokens must be >= 1 and generate.new_tokens >= 0")
     if not cfg.input.paths:
         raise InputError("input.paths is empty; give text files, folders or JSONL files")
+    shared_folder()  # $MOE_TRACE_SHARED_DIR, where set, names a folder
 
 
 def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=None,

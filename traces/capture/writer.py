@@ -88,7 +88,19 @@ SHARED_PREFIXES = ("moe-trace-encoder-", "moe-trace-rows-")  # then the creating
 _SWEPT = [False]  # this process has removed the shared files of dead ones (:func:`remove_orphan_shared`)
 
 
-def _shared_folder() -> str | None:
+SHARED_DIR_ENV = "MOE_TRACE_SHARED_DIR"  # where the shared-memory files go, if not /dev/shm
+
+
+def shared_folder() -> str | None:
+    """The folder of this process's shared-memory files: ``$MOE_TRACE_SHARED_DIR`` where it is
+    set (an existing folder; child processes inherit it), else /dev/shm where there is one, else
+    None (the system's temporary folder)."""
+    chosen = os.environ.get(SHARED_DIR_ENV)
+    if chosen:
+        if not os.path.isdir(chosen):
+            raise InputError(f"{SHARED_DIR_ENV}={chosen} is not a folder; create it (a memory-backed "
+                             "file system such as /dev/shm keeps the rows out of the disk) or unset it")
+        return chosen
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
@@ -97,7 +109,7 @@ def remove_orphan_shared(folder: str | None = None) -> list[Path]:
     a capture killed outright (SIGKILL, out of memory) runs no clean-up of its own. Returns the
     removed paths."""
     removed = []
-    folder = folder or _shared_folder() or tempfile.gettempdir()
+    folder = folder or shared_folder() or tempfile.gettempdir()
     try:
         names = os.listdir(folder)
     except OSError:
@@ -123,7 +135,7 @@ class _Shared:
             if not _SWEPT[0]:
                 _SWEPT[0] = True
                 remove_orphan_shared()
-            fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=_shared_folder())
+            fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=shared_folder())
             try:
                 _reserve(fd, nbytes)
             except OSError:
