@@ -11,11 +11,25 @@ import pytest
 from traces.format import ArraySource
 from traces.synth import synth_trace
 
+
 # The capture writer's shared-memory files of this test process (and of the children it starts,
 # which inherit the variable) in a folder of its own, so that tests counting the files left behind
 # do not see those of the other test processes running beside it (pytest -n). Removed at exit,
 # after the writer's own clean-up (atexit runs in reverse order; the writer is imported later).
-_SHARED = tempfile.mkdtemp(prefix="moe-tests-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+# Those of test processes killed before their exit are removed here.
+def _shared_folder() -> str:
+    from pathlib import Path
+
+    from traces.atomic import pid_alive
+
+    parent = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    for old in parent.glob("moe-tests-*-*"):
+        if old.name.split("-")[2].isdigit() and not pid_alive(int(old.name.split("-")[2])):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"moe-tests-{os.getpid()}-", dir=parent)
+
+
+_SHARED = _shared_folder()
 os.environ["MOE_TRACE_SHARED_DIR"] = _SHARED
 atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)
 

@@ -194,15 +194,56 @@ def test_forwards_held_in_blocks_record_the_rows_of_forwards_handed_on_alone(arc
     capture_windows(model, find_routers(model), wins, CaptureConfig(record_block_tokens=0, **kw), alone.append)
     capture_windows(model, find_routers(model), wins, CaptureConfig(record_block_tokens=100, **kw), blocks.append)
     assert [r.num_tokens for r in alone] == [28, 28, 23, 9, 8, 10, 14, 40, 11]
-    # forwards of 28, 28, 28, 12, 8, 10, 14, 40 and 11 slots: held while the slots held and as many
-    # again as the last forward's fit in 100 and in the slots of the forwards after it (151, 123,
-    # 95, 83, 75, 65, 51, 11, 0). The first block is one run of equal shape, padded or not
+    # forwards of 28, 28, 28, 12, 8, 10, 14, 40 and 11 slots: held while the slots held and the
+    # next forward's fit in 100 and in the slots of the forwards after the next (151, 123, 95, 83,
+    # 75, 65, 51, 11, 0). The first block is one run of equal shape, padded or not
     assert [r.num_tokens for r in blocks] == [28 + 28 + 23, 9 + 8 + 10 + 14, 40, 11]
     kept = [f for f in Rows.__dataclass_fields__ if getattr(alone[0], f) is not None]
     assert {"logits", "lookahead_logits", "nll"} <= set(kept)
     for f in kept:
         a, b = (np.concatenate([getattr(r, f) for r in rows]) for rows in (alone, blocks))
         np.testing.assert_array_equal(a, b, err_msg=f)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_blocks_keep_to_their_bounds_and_shrink_towards_the_end(seed, monkeypatch):
+    """Random windows, batch sizes, record_block_tokens and device memory bounds: each block is
+    consecutive forwards; a block of several holds no more token slots than record_block_tokens,
+    nor router outputs than RECORD_BLOCK_BYTES, nor slots than the forwards after it, and could
+    not have taken the next forward too; the last forward goes alone."""
+    from traces.capture import capture as cap
+    from traces.capture.hooks import RawStep
+
+    rng = np.random.default_rng(seed)
+    model = tiny_model("qwen3_moe")
+    lengths = rng.integers(2, 20, size=int(rng.integers(6, 16))).tolist()
+    batch, bound, bytes_bound = int(rng.integers(1, 4)), int(rng.integers(10, 90)), int(rng.integers(10, 90))
+    per_slot = []
+    take = RouterRecorder.take
+
+    def spy(self, n):
+        raw = take(self, n)
+        per_slot.append(RawStep.nbytes(raw) / n)
+        return raw
+
+    monkeypatch.setattr(RouterRecorder, "take", spy)
+    record(model, windows([3]), batch_size=1)
+    monkeypatch.setattr(cap, "RECORD_BLOCK_BYTES", int(per_slot[0] * bytes_bound))
+    bound_both = min(bound, bytes_bound)
+    blocks = []
+    capture_windows(model, find_routers(model), windows(lengths, seed=seed),
+                    CaptureConfig(batch_size=batch, record_block_tokens=bound, logits="top:4"),
+                    lambda rows: blocks.append(sorted(set((rows.seq // batch).tolist()))))
+    slots = [len(lengths[i:i + batch]) * max(lengths[i:i + batch]) for i in range(0, len(lengths), batch)]
+    assert [f for b in blocks for f in b] == list(range(len(slots)))  # consecutive, in order
+    assert blocks[-1] == [len(slots) - 1]
+    for b in blocks:
+        held, after = sum(slots[f] for f in b), sum(slots[b[-1] + 1:])
+        if len(b) > 1:
+            assert held <= min(bound_both, after)
+        if b[-1] + 1 < len(slots):  # the next forward did not fit
+            assert held + slots[b[-1] + 1] > min(bound_both, sum(slots[b[-1] + 2:]))
+    assert len(set(per_slot)) == 1  # a slot's router outputs take as many bytes in every forward
 
 
 def test_a_block_of_forwards_is_handed_on_early_at_the_device_memory_bound(monkeypatch):
@@ -738,13 +779,18 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
     assert any(line.endswith(f"tokens per pass, capture code of {result['capture_commit']} "
                              f"(sources {result['capture_sources']}):") for line in printed)
     table = [line for line in printed if line.startswith("| top:64 |")]
+    # the default record_block_tokens (8,192) as it acted: four 50-token forwards two at a time,
+    # then the last two alone; one forward of four windows alone
+    assert [r["record_block_forwards"] for r in result["runs"]] == [2 if r["batch_size"] == 1 else 1
+                                                                    for r in result["runs"]]
     assert len(table) == 48 and [table[i].split("|")[3:5] for i in (18, 27, 35)] == [
-        [" 2 processes, 30-token units, rows copied, recording on the side stream, " + HELD, " 4 "],
+        [" 2 processes, 30-token units, rows copied, recording on the side stream, " + ALONE, " 4 "],
         [" 1 threads, 30-token units, rows shared in place, recording on the main stream, " + HELD, " 1 "],
         [" 1 dispatcher, 30-token units, rows copied, recording on the main stream, " + HELD, " 1 "]]
 
 
-HELD = "forwards held in blocks of 8,192 tokens "  # the default record_block_tokens, in the bench's table
+HELD = "forwards held in blocks of 8,192 tokens (up to 2) "  # the default record_block_tokens, in the bench's table
+ALONE = "forwards handed on alone (record_block_tokens 8,192 holds no two of them) "
 
 
 def _bench_spied(tmp_path, monkeypatch, spy, *flags) -> list[dict]:
@@ -778,12 +824,13 @@ def test_bench_compares_forwards_held_in_blocks_with_forwards_alone_in_the_same_
     runs = _bench_spied(tmp_path, monkeypatch, spy, "--batch-sizes", "1", "--repeats", "1", "--writer", "threads",
                         "--record-block-tokens", "100,0")
     assert [r["record_block_tokens"] for r in runs] == [100, 0]
+    assert [r["record_block_forwards"] for r in runs] == [2, 1]
     assert len({tuple(r["rounds_s"]["forward"]) for r in runs}) == 1  # one forward for both
     # four forwards of 50 tokens: in blocks of 100, two together, then the last two alone; per pass
     # (a warm-up and a round), a hooks pass and a capture pass of each setting
     assert writes == {100: [3] * 4, 0: [4] * 4}
     rows = [line.split("|")[3].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert [r.split("stream, ")[1] for r in rows] == ["forwards held in blocks of 100 tokens",
+    assert [r.split("stream, ")[1] for r in rows] == ["forwards held in blocks of 100 tokens (up to 2)",
                                                      "forwards handed on alone"]
 
 
@@ -1030,6 +1077,12 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     row = subprocess.run(tool[:-1] + [str(tmp_path / "held.json")], capture_output=True, text=True, env=env,
                          check=True).stdout.splitlines()[-1]
     assert "dispatcher, forwards held in blocks of 32,768 tokens |" in row
+    # a run whose setting held no two forwards (each forward larger than half a block) ran them alone
+    held["runs"][0]["record_block_forwards"] = 1
+    (tmp_path / "none_held.json").write_text(json.dumps(held))
+    ok = subprocess.run(tool + [str(tmp_path / "none_held.json"), str(tmp_path / "alone.json")], capture_output=True,
+                        text=True, env=env, check=True).stdout
+    assert "pooled: 2 runs" in ok and "blocks" not in ok
     # --where keeps the runs of one setting: results from before it count as what they ran
     both = json.loads((tmp_path / "held.json").read_text())
     both["runs"].append({**both["runs"][0], "record_block_tokens": 0,

@@ -46,7 +46,10 @@ def rows(path: Path, where: dict[str, str] | None = None) -> list[str]:
 
 
 def _setting_of(bench: dict, r: dict, name: str):
-    """A run's value of the setting ``name`` (:data:`SAME`), as results from before it was recorded ran."""
+    """A run's value of the setting ``name`` (:data:`SAME`), as results from before it was recorded
+    ran; record_block_tokens as it acted: 0 where no block held two forwards."""
+    if name == "record_block_tokens" and r.get("record_block_forwards") == 1:
+        return 0
     return (bench if name == "model" else r).get(name, BEFORE.get(name))
 
 
@@ -140,7 +143,7 @@ def _setting(r: dict) -> str:
         parts.append("top-R by two sorts")
     if r.get("shared_rows") is False:
         parts.append("rows copied")
-    if r.get("record_block_tokens"):
+    if r.get("record_block_tokens") and r.get("record_block_forwards") != 1:
         parts.append(f"forwards held in blocks of {r['record_block_tokens']:,} tokens")
     return "".join(f", {p}" for p in parts)
 

@@ -1,5 +1,5 @@
 """On a GPU host: does a capture that holds the routing of several forwards and hands it on in
-blocks (``record_block_tokens``, the default 32,768) store what one that hands every forward on
+blocks (``record_block_tokens`` 32,768; the default is 8,192) store what one that hands every forward on
 alone (``0``) stores? One model load (the small Qwen3-Next shape), the same windows captured
 teacher-forced at batch 16 and at batch 1, and with look-ahead routing 2 layers ahead, each with
 blocks, alone and with blocks again; the content hashes of the files.

@@ -202,9 +202,16 @@ def _narrow_enough(width: float, captures: list[str]):
     return enough
 
 
-def _recording(stream: str, kernel: bool, block: int | None = None) -> str:
-    held = "" if block is None else (", forwards handed on alone" if block == 0 else
-                                     f", forwards held in blocks of {block:,} tokens")
+def _recording(stream: str, kernel: bool, block: int | None = None, per_block: int | None = None) -> str:
+    """A recording's label; ``per_block``: the most forwards a block held, where a result says."""
+    if block is None:
+        held = ""
+    elif block == 0:
+        held = ", forwards handed on alone"
+    elif per_block == 1:
+        held = f", forwards handed on alone (record_block_tokens {block:,} holds no two of them)"
+    else:
+        held = f", forwards held in blocks of {block:,} tokens" + (f" (up to {per_block})" if per_block else "")
     return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts") + held
 
 
@@ -236,6 +243,7 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: i
         "recording_stream": stream,
         "top_r_kernel": kernel,  # asked for: it runs on a GPU with Triton and top-R logits
         "record_block_tokens": block,
+        "record_block_forwards": stats.get("forwards_per_block"),  # the most one block held: 1, every forward alone
         "unit_tokens": units[-1],
         "model_cpu": cpu_of_model,
         "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
@@ -366,7 +374,7 @@ def overhead_table(bench: dict) -> list[str]:
         if "shared_rows" in r:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
-            encoders += f", {_recording(r['recording_stream'], r.get('top_r_kernel', True), r.get('record_block_tokens'))}"
+            encoders += f", {_recording(r['recording_stream'], r.get('top_r_kernel', True), r.get('record_block_tokens'), r.get('record_block_forwards'))}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "

@@ -74,7 +74,9 @@ UNIT_FRACTIONS = (16, 2)
 CAPTURE_SWITCH_INTERVAL_S = 0.0005
 # The most device memory of router outputs the recording holds for a block of forwards
 # (CaptureConfig.record_block_tokens): 16 windows of 512 tokens of the small Qwen3-Next shape
-# hold about 75 MB a forward, of a 48-layer, 512-expert model about 420 MB.
+# hold about 75 MB a forward, of a 48-layer, 512-expert model about 420 MB. While a block is
+# stacked and put in stored form, its copies take a few times that for a moment, as they do for
+# one forward of as many token slots (a forward larger than the bound goes alone).
 RECORD_BLOCK_BYTES = 512 << 20
 
 
@@ -432,19 +434,20 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
     """One forward per batch of windows; records every real token.
 
     The routing of consecutive forwards is held (up to ``block_tokens`` token slots and
-    ``block_bytes`` of router outputs; 0: none held) and handed on in one block: stacked, put in
+    ``block_bytes`` of router outputs, or one forward where it alone is larger; 0: none held) and
+    handed on in one block: stacked, put in
     stored form by ``stored(routing, slots)`` (the device tensors to keep, :func:`_routing_parts`)
     and queued to the drain. Towards the end the blocks shrink: a block holds no more slots than
     the forwards after it, so the writer (faster than the model) has encoded it before the last
     forward ends, and the last forward goes alone: the close waits for one forward's rows only.
-    The same rows either way.
+    The same rows either way. Returns the most forwards one block held (1: every forward alone).
     """
     device = model.device
     todo = list(batches(windows, batch_size))
-    slots_of = [len(b) * max(len(w.tokens) for w in b) for b in todo]
+    slots_of = [len(b) * max(len(w.tokens) for w in b) for b in todo] + [0]
     after = np.cumsum(slots_of[::-1])[::-1].tolist()[1:] + [0]  # slots of the forwards after each
     held: list[_Forward] = []
-    slots_held = bytes_held = 0
+    slots_held = bytes_held = most = 0
     for i, batch in enumerate(todo):
         ids, lengths, input_ids, mask = right_padded(batch, device)
         B, S = ids.shape
@@ -456,21 +459,25 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
         on_tokens(int(lengths.sum()))
         nbytes = raw.nbytes()
         slots_held, bytes_held = slots_held + B * S, bytes_held + nbytes
-        # hand on unless one more forward like this one fits
-        if slots_held + B * S > min(block_tokens, after[i]) or bytes_held + nbytes > block_bytes:
+        # hand on unless the next forward fits: in the slots, in the slots of the forwards after
+        # it, and in the bytes (a slot's router outputs are the same size in every forward)
+        more = slots_held + slots_of[i + 1]
+        if i + 1 == len(todo) or more > min(block_tokens, after[i + 1]) or \
+                bytes_held + nbytes // (B * S) * slots_of[i + 1] > block_bytes:
             _hand_on(held, prefill_tokens, drain, stored, device)
+            most = max(most, len(held))
             held, slots_held, bytes_held = [], 0, 0
+    return most
 
 
 def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -> None:
-    """Stack the routing of the forwards ``held``, put it in stored form on the drain's stream
-    (:meth:`_Drain.beside`) and queue it with the host columns to the drain."""
-    routing = StepRouting.stacked([f.raw for f in held])
+    """Stack the routing of the forwards ``held`` and put it in stored form on the drain's stream
+    (:meth:`_Drain.beside`), then queue it with the host columns to the drain."""
     slots_np = _real_slots(held)
     slots = None if slots_np is None else torch.from_numpy(slots_np).to(device)
     nlls = [f.nll for f in held]
-    with drain.beside(*routing.tensors(), slots):
-        dev = stored(routing, slots)
+    with drain.beside(*(t for f in held for t in f.raw.tensors()), slots):
+        dev = stored(StepRouting.stacked([f.raw for f in held]), slots)
         dev["nll"] = _real(torch.cat(nlls) if len(nlls) > 1 else nlls[0], slots)
     windows = [w for f in held for w in f.windows]
     drain.put(_host_columns(windows, np.concatenate([f.lengths for f in held]), prefill_tokens), dev)
@@ -539,9 +546,8 @@ def generate(model, recorder: RouterRecorder, windows, batch_size, gcfg, seed, d
             [np.concatenate([b * P + np.arange(P - plen[b], P), B * P + np.arange(N) * B + b]) for b in range(B)]
         )
         slots = torch.from_numpy(slots_np).to(device)
-        routing = StepRouting.stacked(steps)
-        with drain.beside(*routing.tensors(), *nlls, *toks, slots):
-            dev = stored(routing, slots)
+        with drain.beside(*(t for step in steps for t in step.tensors()), *nlls, *toks, slots):
+            dev = stored(StepRouting.stacked(steps), slots)
             dev["nll"] = torch.cat(nlls).index_select(0, slots)
             dev["token_id"] = torch.cat(toks).index_select(0, slots).to(torch.int32)
         counts = plen + N
@@ -691,8 +697,9 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     memory for each block's rows, which the device writes straight into (:class:`_Drain`); the
     rows ``write`` gets are then views of that memory, lent again once the writer has them in the
     file: copy what is to be kept beyond that. Returns
-    ``{"tokens", "seconds", "tokens_per_s", "blocked_s"}`` (wall time including the writes;
-    ``blocked_s`` of it the loop waited for ``write``).
+    ``{"tokens", "seconds", "tokens_per_s", "blocked_s", "forwards_per_block"}`` (wall time
+    including the writes; ``blocked_s`` of it the loop waited for ``write``; the most forwards one
+    block of :func:`teacher_forced` held, None in generate mode).
     """
     storage = Storage.of(cfg, sites[0].num_experts, len(sites))
     missing = None
@@ -716,17 +723,18 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
         with torch.inference_mode(), RouterRecorder(sites, storage.logits != "none", logits_are_probs,
                                                     storage.lookahead) as rec:
             if cfg.mode == "teacher_forced":
-                teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored, on_tokens,
-                               cfg.record_block_tokens, RECORD_BLOCK_BYTES)
+                per_block = teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored,
+                                           on_tokens, cfg.record_block_tokens, RECORD_BLOCK_BYTES)
             else:
                 generate(model, rec, windows, cfg.batch_size, cfg.generate, cfg.model.seed, drain, stored,
                          on_tokens)
+                per_block = None
     finally:
         drain.close()
         sys.setswitchinterval(interval)
     seconds = time.perf_counter() - start
     return {"tokens": counted[0], "seconds": seconds, "tokens_per_s": counted[0] / max(seconds, 1e-9),
-            "blocked_s": drain.blocked_s}
+            "blocked_s": drain.blocked_s, "forwards_per_block": per_block}
 
 
 def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:

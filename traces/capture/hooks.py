@@ -44,10 +44,13 @@ class RawStep:
     ahead: list[torch.Tensor] | None
     num_slots: int
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held (those not None)."""
+        return [t for o in self.outputs for t in o if t is not None] + list(self.ahead or [])
+
     def nbytes(self) -> int:
         """Device bytes these tensors hold."""
-        held = [t for o in self.outputs for t in o if t is not None] + list(self.ahead or [])
-        return sum(t.numel() * t.element_size() for t in held)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def stack_layers(parts: list[list[torch.Tensor]]) -> torch.Tensor:
