@@ -435,9 +435,8 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
 
     The routing of consecutive forwards is held (up to ``block_tokens`` token slots and
     ``block_bytes`` of router outputs, or one forward where it alone is larger; 0: none held) and
-    handed on in one block: stacked, put in
-    stored form by ``stored(routing, slots)`` (the device tensors to keep, :func:`_routing_parts`)
-    and queued to the drain. Towards the end the blocks shrink: a block holds no more slots than
+    handed on in one block: stacked, put in stored form by ``stored(routing, slots)`` (the device
+    tensors to keep, :func:`_routing_parts`) and queued to the drain. Towards the end the blocks shrink: a block holds no more slots than
     the forwards after it, so the writer (faster than the model) has encoded it before the last
     forward ends, and the last forward goes alone: the close waits for one forward's rows only.
     The same rows either way. Returns the most forwards one block held (1: every forward alone).
