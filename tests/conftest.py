@@ -5,6 +5,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -16,7 +17,7 @@ from traces.synth import synth_trace
 # which inherit the variable) in a folder of its own, so that tests counting the files left behind
 # do not see those of the other test processes running beside it (pytest -n). Removed at exit,
 # after the writer's own clean-up (atexit runs in reverse order; the writer is imported later).
-# Those of test processes killed before their exit are removed here.
+# Those of test processes killed before their exit are removed by the next run.
 def _shared_folder() -> str:
     from pathlib import Path
 
@@ -24,7 +25,9 @@ def _shared_folder() -> str:
 
     parent = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     for old in parent.glob("moe-tests-*-*"):
-        if old.name.split("-")[2].isdigit() and not pid_alive(int(old.name.split("-")[2])):
+        pid = old.name.split("-")[2]
+        # an hour untouched too: a process id not running here may run in another container
+        if pid.isdigit() and not pid_alive(int(pid)) and time.time() - old.stat().st_mtime > 3600:
             shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"moe-tests-{os.getpid()}-", dir=parent)
 

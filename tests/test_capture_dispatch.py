@@ -236,6 +236,7 @@ def test_only_an_input_ended_without_goodbye_makes_the_dispatcher_remove_the_sla
     while the dead process is still its parent. It tells a death from a close by the goodbye
     :meth:`_Dispatcher.close` sends: here the parent lives on in every case, and the slabs the
     dispatcher was lent go only where the input ended without one."""
+    import pickle
     from pathlib import Path
 
     meta, cols = trace_columns(tokens=300)
@@ -250,22 +251,24 @@ def test_only_an_input_ended_without_goodbye_makes_the_dispatcher_remove_the_sla
             w.write(**b.views)
         return w, lent
 
-    for goodbye in (True, False):
-        path = tmp_path / f"t{goodbye}.parquet"
+    for ending in ("goodbye", "end", "cut off"):
+        path = tmp_path / f"{ending}.parquet"
         w, lent = lend_and_write(path)
         assert lent and all(Path(s).exists() for s in lent)
-        if goodbye:
+        if ending == "goodbye":
             w._child.send(("bye",))
+        elif ending == "cut off":  # killed while it sent a message: the pickle ends in its middle
+            w._child.proc.stdin.write(pickle.dumps(("arrays", cols), protocol=pickle.HIGHEST_PROTOCOL)[:1000])
         w._child.proc.stdin.close()  # mid-file: the dispatcher aborts its writer
-        w._child.proc.wait(timeout=60)
+        assert w._child.proc.wait(timeout=60) == 0
         assert list(tmp_path.iterdir()) == []
-        assert [Path(s).exists() for s in lent] == [goodbye] * len(lent)
+        assert [Path(s).exists() for s in lent] == [ending == "goodbye"] * len(lent)
         w.abort()  # the dispatcher has exited: its slabs are lent again here
-    with W._SLAB_LOCK:  # this process lives on: forget the slabs the dispatcher removed
-        for slab in [s for s in W._SLABS if s.path in lent]:
-            W._SLABS.remove(slab)
-            W._FREE_SLABS.remove(slab)
-            slab.close()
+        with W._SLAB_LOCK:  # this process lives on: forget the slabs the dispatcher removed
+            for slab in [s for s in W._SLABS if not Path(s.path).exists()]:
+                W._SLABS.remove(slab)
+                W._FREE_SLABS.remove(slab)
+                slab.close()
     w, lent = lend_and_write(tmp_path / "closed.parquet")
     w.close()
     child = w._child
@@ -274,19 +277,51 @@ def test_only_an_input_ended_without_goodbye_makes_the_dispatcher_remove_the_sla
     assert child.proc.returncode == 0 and all(Path(s).exists() for s in lent)
 
 
+def test_a_dispatcher_interrupted_while_it_opens_is_closed(tmp_path, monkeypatch):
+    """A Ctrl-C while the dispatcher opens the output: the dispatcher is closed (no child left
+    running for the next writer) and it leaves no file."""
+    started = []
+    real_take = D._take
+
+    def take(kind):
+        started.append(real_take(kind))
+        return started[-1]
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(D, "_take", take)
+    monkeypatch.setattr(D.DispatchedTraceWriter, "_receive", interrupted)
+    meta, _ = trace_columns()
+    with pytest.raises(KeyboardInterrupt):
+        D.DispatchedTraceWriter(tmp_path / "t.parquet", meta, unit_tokens=16)
+    child, = started
+    assert child.proc.returncode == 0 and child not in W._IDLE.get(D._Dispatcher, [])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_shared_files_go_where_moe_trace_shared_dir_says_also_in_the_children(tmp_path, monkeypatch):
     """$MOE_TRACE_SHARED_DIR: this process's slabs are made there, the dispatcher and its
     encoders and joiner start with it (they make their blocks where it says), and a sweep looks
     there; the trace is written as ever, and closing the children leaves the folder empty."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setenv(W.SHARED_DIR_ENV, str(folder))
+    W._close_children()  # children started from now on, with the variable
+    try:
+        _write_in(folder, tmp_path, monkeypatch)
+    finally:
+        W._close_children()  # the slabs kept for the next writer too, made in a folder that goes
+    assert list(folder.iterdir()) == []
+
+
+def _write_in(folder, tmp_path, monkeypatch) -> None:
+    """A trace written by the dispatcher with the shared files in ``folder``, checked there."""
     from pathlib import Path
 
     from traces.capture.cores import descendants
     from traces.format import read_trace
 
-    folder = tmp_path / "shm"
-    folder.mkdir()
-    monkeypatch.setenv(W.SHARED_DIR_ENV, str(folder))
-    W._close_children()  # children started from now on, with the variable
     made = []
     real = W._Shared.__init__
 
@@ -314,8 +349,6 @@ def test_the_shared_files_go_where_moe_trace_shared_dir_says_also_in_the_childre
     dead = folder / f"{W.SHARED_PREFIXES[0]}{2**22 + 7}-x"  # above Linux's largest process id
     dead.write_bytes(b"x")
     assert W.remove_orphan_shared() == [dead]
-    W._close_children()  # the slabs kept for the next writer too
-    assert list(folder.iterdir()) == []
 
 
 def test_shared_files_of_processes_that_no_longer_run_are_swept(tmp_path):

@@ -79,7 +79,8 @@ class CaptureConfig:
     pin_threads: bool = False
     # rows go from the device straight into shared memory that the encoder processes read in place
     # (registered with CUDA once per slab); false: through torch's pinned buffers, copied once more.
-    # The shared-memory files go in /dev/shm, or in the folder $MOE_TRACE_SHARED_DIR names
+    # The shared-memory files go in /dev/shm, or in the folder $MOE_TRACE_SHARED_DIR names (one of
+    # this host's own: files of process ids not running here are swept as those of dead captures)
     shared_rows: bool = True
     # where the recording's own device work runs (stacking the layers, the top-R selection, the NLL):
     # side (a stream of its own, beside the next forward) | main (the model's stream, ahead of the

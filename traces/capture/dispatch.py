@@ -31,6 +31,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -90,8 +91,12 @@ class DispatchedTraceWriter(BoundedLending):
         self._ended: BaseException | None = None  # the dispatcher's error at close
         self._died = False  # the dispatcher exited before it answered the close
         self._child = _take(_Dispatcher)
-        self._child.send(("open", str(self.path), meta, unit_tokens, self.workers, expected_tokens))
-        kind, value = self._receive()
+        try:
+            self._child.send(("open", str(self.path), meta, unit_tokens, self.workers, expected_tokens))
+            kind, value = self._receive()
+        except BaseException:  # a Ctrl-C while it opens: it aborts what it opened and exits
+            self._child.close()
+            raise
         if kind != "opened":
             (self._child.close if kind == "exited" else lambda: _give_back(self._child))()
             raise value if isinstance(value, BaseException) else RuntimeError(f"dispatcher answered {kind!r}")
@@ -175,10 +180,11 @@ class DispatchedTraceWriter(BoundedLending):
             lent, self._lent, self._lent_tokens = self._lent, {}, 0
         for slab, _ in lent.values():
             _return_slab(slab)
-        if self._died:  # its children too, then their files
+        if self._died:  # its children too, then their files once they have exited
             with contextlib.suppress(OSError):
                 os.killpg(self._child.proc.pid, signal.SIGKILL)
             self._child.close()
+            _wait_gone(self._child.proc.pid)
             remove_orphans(self.path.parent)
         else:
             _give_back(self._child)
@@ -203,6 +209,18 @@ class DispatchedTraceWriter(BoundedLending):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         (self.close if exc_type is None else self.abort)()
+
+
+def _wait_gone(group: int, timeout_s: float = 10.0) -> None:
+    """Wait until no process of the process group ``group`` runs (killed ones are reaped by the
+    system), at most ``timeout_s``: a file a killed process wrote is an orphan only after that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except OSError:  # none left
+            return
+        time.sleep(0.01)
 
 
 _MAPPED: dict[str, Slab] = {}  # the dispatcher's maps of the capturing process's slabs, by path
@@ -248,13 +266,15 @@ def _serve() -> None:
     while True:
         try:
             request = pickle.load(stdin)
-        except EOFError:
-            if writer is not None:
-                writer.abort()
-            if not bye:  # the capturing process died (or exited without closing us)
-                for path in _MAPPED:  # removed by name; the maps go with this process
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+        except (EOFError, pickle.UnpicklingError):  # the end, or a message cut off by a death
+            try:
+                if writer is not None:
+                    writer.abort()
+            finally:
+                if not bye:  # the capturing process died (or exited without closing us)
+                    for path in _MAPPED:  # removed by name; the maps go with this process
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
             return
         kind = request[0]
         if kind == "bye":

@@ -94,7 +94,9 @@ SHARED_DIR_ENV = "MOE_TRACE_SHARED_DIR"  # where the shared-memory files go, if 
 def shared_folder() -> str | None:
     """The folder of this process's shared-memory files: ``$MOE_TRACE_SHARED_DIR`` where it is
     set (an existing folder; child processes inherit it), else /dev/shm where there is one, else
-    None (the system's temporary folder)."""
+    None (the system's temporary folder). The folder must be this host's own, not shared with
+    other hosts or containers: :func:`remove_orphan_shared` takes a file whose process id runs
+    nowhere here for the file of a dead process."""
     chosen = os.environ.get(SHARED_DIR_ENV)
     if chosen:
         if not os.path.isdir(chosen):
