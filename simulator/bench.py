@@ -265,7 +265,16 @@ NOTES = """\
   miss, before any substitution, and 7-8 ms the substitutions (about 14 ns each). Tried on the
   4 ms and left out: the rule without its short-circuit, `(rank < r) | (gate >= tau)`, one
   branch (tau=1e-9 24.0-25.4 ms: no gain); the substitute's walk not inlined into the kernel
-  (tau=1e-9 22.6-22.8 ms, rule015 31.1-31.5: within the noise). Measured at cc09f74 for
+  (tau=1e-9 22.6-22.8 ms, rule015 31.1-31.5: within the noise). Taken apart at 69c763c (the
+  kernel's own CPU time, tau=1e-9 over tau=0 in the same process, medians of 15-25 rounds): the
+  rank loop's miss-rule block costs it all (with the block compiled out, 1.00-1.02x), and no
+  part of it is large on its own: the block without the walk 1.26x, with only the gate's load,
+  the rule's test and a count 1.25x, the test and the count alone, no load, 1.13-1.17x, though
+  that test's branch is never taken. The hot loop's machine code reloads the arrays' pointers
+  from the stack (the kernel keeps more values live than there are registers), and each added
+  value moves more of them there. A flat index for a step's ranks and gates (one offset per
+  step) made fetch_all + LRU slower side by side (1.17-1.25x -> 1.32-1.33x the minimal kernel,
+  3 processes of 9 rounds per tree) and rule015 + LRU no faster: left out. Measured at cc09f74 for
   fetch_all + LFU and left out (the same 4,096 tokens, processes of 30 repeats alternating with
   the tree's own): frequencies as float32 and `last_use` as int32 together, 196 KB of state
   less (medians 41.9 -> 41.0 ms, 6 each: about 2 %, and float32 cannot hold the decayed
