@@ -82,7 +82,7 @@ class CaptureConfig:
     # The shared-memory files go in /dev/shm, or in the folder $MOE_TRACE_SHARED_DIR names (one of
     # this host's own: files of process ids not running here are swept as those of dead captures)
     shared_rows: bool = True
-    # where the recording's own device work runs (stacking the layers, the top-R selection, the NLL):
+    # where the recording's own device work runs (the top-R selection, the NLL; generate mode's stacking):
     # side (a stream of its own, beside the next forward) | main (the model's stream, ahead of the
     # next forward). Same rows either way; side keeps that work off a forward that waits for its
     # stream (e.g. when it copies its inputs from pageable memory)
