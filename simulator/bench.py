@@ -274,7 +274,9 @@ NOTES = """\
   from the stack (the kernel keeps more values live than there are registers), and each added
   value moves more of them there. A flat index for a step's ranks and gates (one offset per
   step) made fetch_all + LRU slower side by side (1.17-1.25x -> 1.32-1.33x the minimal kernel,
-  3 processes of 9 rounds per tree) and rule015 + LRU no faster: left out. Measured at cc09f74 for
+  3 processes of 9 rounds per tree) and rule015 + LRU no faster; a step's hits derived from its
+  other counts, one counter fewer in the rank loop, gained nothing (fetch_all + LRU 1.19-1.23x ->
+  1.15-1.30x, rule015 + LRU 1.92-2.07x -> 1.96-2.10x): both left out. Measured at cc09f74 for
   fetch_all + LFU and left out (the same 4,096 tokens, processes of 30 repeats alternating with
   the tree's own): frequencies as float32 and `last_use` as int32 together, 196 KB of state
   less (medians 41.9 -> 41.0 ms, 6 each: about 2 %, and float32 cannot hold the decayed
