@@ -199,9 +199,10 @@ class _Drain:
     @contextlib.contextmanager
     def beside(self, *inputs: torch.Tensor | None):
         """Run the device work issued inside on the drain's stream, after what the model's stream
-        has queued so far: a block's top-R selection and NLL (and in generate mode the stacking of its
-        steps) then run beside the next forward instead of ahead of it (that work is milliseconds per forward of a small model at
-        batch 16; a forward whose inputs are copied from pageable memory waits for its stream).
+        has queued so far: a block's top-R selection and NLL (in generate mode also the stacking
+        of its steps) then run beside the next forward instead of ahead of it (that work is
+        milliseconds per forward of a small model at batch 16; a forward whose inputs are copied
+        from pageable memory waits for its stream).
 
         ``inputs``: the model's tensors that work reads (router outputs, LM logits, input ids),
         kept from the allocator until the drain's stream is past them. Without ``side`` or a GPU,
