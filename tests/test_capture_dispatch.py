@@ -339,8 +339,13 @@ def _write_in(folder, tmp_path, monkeypatch) -> None:
                 b.views[n][...] = v
             w.write(**b.views)
         if Path("/proc/self/environ").exists():
+            # the dispatcher, two encoders, the joiner: under load the last may still be starting
+            deadline = time.monotonic() + 30
             family = [w._child.proc.pid, *descendants(w._child.proc.pid)]
-            assert len(family) == 4  # the dispatcher, two encoders, the joiner
+            while len(family) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+                family = [w._child.proc.pid, *descendants(w._child.proc.pid)]
+            assert len(family) == 4
             for pid in family:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 assert f"{W.SHARED_DIR_ENV}={folder}".encode() in env
