@@ -477,8 +477,8 @@ def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -
     The stack stays on the model's stream: there the layers' router outputs go back to that
     stream's memory pool once stacked, ready for the next forward. Stacked on the drain's stream
     (69c763c), each one is held from the allocator until that stream is past it; two runs at
-    batch 16 then gave +11.8 % and +18.0 %, eleven with the stack here +9.7 % pooled
-    (docs/CAPTURE.md, runs 1207a-b)."""
+    batch 16 then gave +11.8 % and +18.0 %, sixteen with the stack here +11.0 % pooled
+    (docs/CAPTURE.md, runs 1207a-g)."""
     routing = StepRouting.stacked([f.raw for f in held])
     slots_np = _real_slots(held)
     slots = None if slots_np is None else torch.from_numpy(slots_np).to(device)
