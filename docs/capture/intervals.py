@@ -68,8 +68,9 @@ def parse_where(items: list[str]) -> dict[str, str]:
 
 
 SAME = ("model", "batch_size", "tokens", "logits", "lookahead", "writer", "writers", "recording_stream", "shared_rows",
-        "top_r_kernel", "model_cpu", "record_block_tokens")  # what runs pooled must share
-BEFORE = {"record_block_tokens": 0}  # what results saved before a setting existed ran with
+        "top_r_kernel", "model_cpu", "record_block_tokens", "recording_thread")  # what runs pooled must share
+# what results saved before a setting existed ran with
+BEFORE = {"record_block_tokens": 0, "recording_thread": False}
 
 
 def pooled_row(paths: list[Path], where: dict[str, str] | None = None) -> str:
@@ -143,6 +144,8 @@ def _setting(r: dict) -> str:
         parts.append("top-R by two sorts")
     if r.get("shared_rows") is False:
         parts.append("rows copied")
+    if r.get("recording_thread"):
+        parts.append("recording on a thread of its own")
     if r.get("record_block_tokens") and r.get("record_block_forwards") != 1:
         parts.append(f"forwards held in blocks of {r['record_block_tokens']:,} tokens")
     return "".join(f", {p}" for p in parts)
