@@ -12,7 +12,9 @@ stores (top R with ids, as ``traces.format`` would select them on the host), the
 the sink's shared memory (``shared_rows``, registered with CUDA), or else into pinned host memory; a drain thread hands each batch to the sink, by default a
 :class:`~traces.capture.writer.ParallelTraceWriter` whose encoder processes read the rows where
 the device wrote them and encode row groups in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
-the loop wait (``blocked_s`` in the summary).
+the loop wait (``blocked_s`` in the summary). With ``recording_thread`` (teacher-forced), the
+recording's host work after each forward (the NLL, each block's stack, stored forms and hand-on)
+runs on a thread of its own too, in the same order.
 """
 from __future__ import annotations
 

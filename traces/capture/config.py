@@ -104,7 +104,8 @@ class CaptureConfig:
     # thread of their own instead of the thread that drives the model, which then runs little
     # more than the forwards and their router hooks (the two threads share the GIL; their device
     # work is ordered as without it). Up to two forwards' LM logits wait for that thread on the
-    # device. The same rows either way. Off by default: not yet measured on a GPU host
+    # device. The same rows either way. Off by default: not yet measured on a GPU host; on a CPU
+    # the recording's work competes with the forward for the cores (slower there; docs/CAPTURE.md)
     recording_thread: bool = False
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal
