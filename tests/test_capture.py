@@ -269,6 +269,34 @@ def test_an_error_on_either_thread_ends_the_capture_and_the_recording_thread(fai
     assert not [t for t in threading.enumerate() if t.name in ("trace-recording", "trace-drain")]
 
 
+def test_a_thread_whose_scope_fails_runs_no_job_and_still_closes():
+    """The in-order thread of the drain and of recording_thread: where its scope (inference mode,
+    the model's stream) cannot be entered, no job runs, the submits go on until the error is
+    seen, and close re-raises that error instead of hanging."""
+    import contextlib
+
+    from traces.capture.capture import _InOrder
+
+    @contextlib.contextmanager
+    def broken():
+        raise RuntimeError("no stream here")
+        yield
+
+    ran = []
+    jobs = _InOrder("test-in-order", 1, broken)
+    with pytest.raises(RuntimeError, match="no stream here"):
+        for i in range(50):
+            jobs.submit(lambda i=i: ran.append(i))
+    with pytest.raises(RuntimeError, match="no stream here"):
+        jobs.close()
+    assert ran == []
+    jobs = _InOrder("test-in-order", 1)
+    for i in range(5):
+        jobs.submit(lambda i=i: ran.append(i))
+    jobs.close()
+    assert ran == list(range(5))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_blocks_keep_to_their_bounds_and_shrink_towards_the_end(seed, monkeypatch):
     """Random windows, batch sizes, record_block_tokens and device memory bounds: each block is

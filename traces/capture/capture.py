@@ -164,18 +164,28 @@ class _InOrder:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._scope = scope
         self._error: BaseException | None = None
+        self._closed = False  # the thread has taken close's end mark
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         leave_model_core()
-        with self._scope():
-            while (job := self._queue.get()) is not None:
-                if self._error is None:
-                    try:
-                        job()
-                    except BaseException as e:  # re-raised in the capture loop
-                        self._error = e
+        try:
+            with self._scope():
+                self._serve()
+        except BaseException as e:  # the scope failed: no job runs, the queue still drains
+            self._error = self._error or e
+            if not self._closed:
+                self._serve()
+
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    job()
+                except BaseException as e:  # re-raised in the capture loop
+                    self._error = e
+        self._closed = True
 
     def raise_error(self) -> None:
         if self._error is not None:
