@@ -284,7 +284,10 @@ NOTES = """\
   background (41.5 -> 40.5 ms); and the held residents inserted in the step since its pool's
   last trim not tested at all (they are last used in it), with `fresh` read for them only where
   experts arrive in the background (8 each, on a host whose times moved by a third: minima
-  41.7 -> 41.9 ms, no gain). What fetch_all + LFU lacks of 0.5x is 4-8 %.
+  41.7 -> 41.9 ms, no gain). A 4-ary heap (half the depth, a node's children side by side; at
+  36d7ab5, `docs/bench/trees_side_by_side.py`, 5 processes per tree of 9 rounds, each policy over
+  the minimal kernel): fetch_all + LFU 2.52-2.67x -> 2.59-2.91x, quality_first 3.13-3.46x ->
+  3.29-3.91x, slower, left out. What fetch_all + LFU lacks of 0.5x is 4-8 %.
   Another structure, probed outside the engine (`docs/bench/lfu_scan_probe.py`, 25 rounds, the
   same 4,096 tokens and hits): each layer's residents' keys packed in one int64 (selections, last
   use, id; the step's used ones flagged until its trim), a use one store, a victim the least key
