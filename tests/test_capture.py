@@ -205,98 +205,6 @@ def test_forwards_held_in_blocks_record_the_rows_of_forwards_handed_on_alone(arc
         np.testing.assert_array_equal(a, b, err_msg=f)
 
 
-@pytest.mark.parametrize(("arch", "block"), [("qwen3_next", 0), ("qwen3_next", 100), ("deepseek_v3", 100)])
-def test_the_recording_thread_records_the_rows_of_the_model_thread(arch, block, monkeypatch):
-    """recording_thread: each forward's NLL and each block's hand-on run on the recording thread,
-    in order, and the rows are those the model's thread records (padded and unpadded forwards,
-    look-ahead, full logits, blocks or forwards alone)."""
-    import threading
-
-    from traces.capture import capture as cap
-    from traces.capture.config import LookaheadConfig
-
-    model = tiny_model(arch)
-    wins = windows([14, 14, 14, 14, 9, 14, 3, 6, 4, 4, 5, 5, 7, 7, 20, 20, 11], seed=4)
-    kw = dict(batch_size=2, logits="full", lookahead=LookaheadConfig(enabled=True, depth=1, logits="full"),
-              prefill_tokens=5, record_block_tokens=block)
-    where = []
-    for name in ("token_nll", "_hand_on"):
-        real = getattr(cap, name)
-        monkeypatch.setattr(cap, name, lambda *a, _real=real, _name=name, **k: (
-            where.append((_name, threading.current_thread().name)), _real(*a, **k))[1])
-    here, there = [], []
-    capture_windows(model, find_routers(model), wins, CaptureConfig(**kw), here.append)
-    assert {t for _, t in where} == {threading.current_thread().name}
-    where.clear()
-    capture_windows(model, find_routers(model), wins, CaptureConfig(recording_thread=True, **kw), there.append)
-    assert {t for _, t in where} == {"trace-recording"}
-    assert [n for n, _ in where].count("token_nll") == 9 and len(here) == len(there) == [n for n, _ in where].count(
-        "_hand_on")
-    assert not [t for t in threading.enumerate() if t.name == "trace-recording"]
-    kept = [f for f in Rows.__dataclass_fields__ if getattr(here[0], f) is not None]
-    assert {"logits", "lookahead_logits", "nll"} <= set(kept)
-    for f in kept:
-        a, b = (np.concatenate([getattr(r, f) for r in rows]) for rows in (here, there))
-        np.testing.assert_array_equal(a, b, err_msg=f)
-
-
-@pytest.mark.parametrize("fails", ["recording", "model"])
-def test_an_error_on_either_thread_ends_the_capture_and_the_recording_thread(fails, monkeypatch):
-    """recording_thread: an error in the recording thread's work reaches the caller, as one in
-    the model's forward does; either way the recording thread has ended."""
-    import threading
-
-    from traces.capture import capture as cap
-
-    model, wins = tiny_model("qwen3_moe"), windows([6] * 8, seed=2)
-    calls = []
-
-    def broken(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError(f"broken {fails}")
-        return real(*a, **k)
-
-    if fails == "recording":
-        real = cap.token_nll
-        monkeypatch.setattr(cap, "token_nll", broken)
-    else:
-        real = model.forward
-        monkeypatch.setattr(model, "forward", broken)
-    with pytest.raises(RuntimeError, match=f"broken {fails}"):
-        capture_windows(model, find_routers(model), wins, CaptureConfig(batch_size=1, recording_thread=True),
-                        lambda rows: None)
-    assert not [t for t in threading.enumerate() if t.name in ("trace-recording", "trace-drain")]
-
-
-def test_a_thread_whose_scope_fails_runs_no_job_and_still_closes():
-    """The in-order thread of the drain and of recording_thread: where its scope (inference mode,
-    the model's stream) cannot be entered, no job runs, the submits go on until the error is
-    seen, and close re-raises that error instead of hanging."""
-    import contextlib
-
-    from traces.capture.capture import _InOrder
-
-    @contextlib.contextmanager
-    def broken():
-        raise RuntimeError("no stream here")
-        yield
-
-    ran = []
-    jobs = _InOrder("test-in-order", 1, broken)
-    with pytest.raises(RuntimeError, match="no stream here"):
-        for i in range(50):
-            jobs.submit(lambda i=i: ran.append(i))
-    with pytest.raises(RuntimeError, match="no stream here"):
-        jobs.close()
-    assert ran == []
-    jobs = _InOrder("test-in-order", 1)
-    for i in range(5):
-        jobs.submit(lambda i=i: ran.append(i))
-    jobs.close()
-    assert ran == list(range(5))
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_blocks_keep_to_their_bounds_and_shrink_towards_the_end(seed, monkeypatch):
     """Random windows, batch sizes, record_block_tokens and device memory bounds: each block is
@@ -947,24 +855,6 @@ def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_p
     assert [", top-R by sorts, " in row for row in (r.split("|")[3] for r in rows)] == [False, True] * 2
 
 
-def test_bench_compares_the_recording_thread_with_the_model_thread_in_the_same_rounds(tmp_path, capsys,
-                                                                                      monkeypatch):
-    calls = []
-
-    def spy(real, model, sites, windows, cfg, write, *args, block=None, **kwargs):
-        calls.append((cfg.recording_thread, block is not None))
-        return real(model, sites, windows, cfg, write, *args, block=block, **kwargs)
-
-    runs = _bench_spied(tmp_path, monkeypatch, spy, "--batch-sizes", "2", "--repeats", "2", "--writer", "threads",
-                        "--recording-thread", "0,1")
-    assert [r["recording_thread"] for r in runs] == [False, True]
-    assert len({tuple(r["rounds_s"]["forward"]) for r in runs}) == 1  # one forward for both
-    # per pass (a warm-up and 2 rounds): a hooks pass and a capture pass of each setting
-    assert sorted(calls) == sorted([(False, False), (True, False), (False, True), (True, True)] * 3)
-    rows = [line.split("|")[3] for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert [", on a thread of its own" in row for row in rows] == [False, True]
-
-
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
                                              (["--repeats", "0"], "--repeats 0: rounds must be at least 1"),
                                              (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers"),
@@ -974,8 +864,7 @@ def test_bench_compares_the_recording_thread_with_the_model_thread_in_the_same_r
                                               "--recording-stream both is not valid"),
                                              (["--top-r-kernel", "1,yes"], "--top-r-kernel 1,yes: give 1 or 0"),
                                              (["--record-block-tokens", "0,-5"],
-                                              "--record-block-tokens 0,-5: give whole numbers"),
-                                             (["--recording-thread", "0,on"], "--recording-thread 0,on: give 1 or 0")])
+                                              "--record-block-tokens 0,-5: give whole numbers")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):
     from traces.capture import bench
 

@@ -1,10 +1,8 @@
 """On a GPU host: does a capture that holds the routing of several forwards and hands it on in
 blocks (``record_block_tokens`` 32,768; the default is 8,192) store what one that hands every forward on
-alone (``0``) stores, and one whose recording work runs on a thread of its own
-(``recording_thread``, both ways) what one on the model's thread stores? One model load (the small
-Qwen3-Next shape), the same windows captured teacher-forced at batch 16 and at batch 1, and with
-look-ahead routing 2 layers ahead, each with blocks, alone, with blocks again and on the recording
-thread with blocks and alone; the content hashes of the files.
+alone (``0``) stores? One model load (the small Qwen3-Next shape), the same windows captured
+teacher-forced at batch 16 and at batch 1, and with look-ahead routing 2 layers ahead, each with
+blocks, alone and with blocks again; the content hashes of the files.
 
 From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/record_block_check.py``
 (writes DIR/record_block_check.json). Result: docs/capture/record_block_check_*.json
@@ -26,9 +24,7 @@ from traces.capture.config import LookaheadConfig  # noqa: E402
 out = out_dir("/tmp/record_block_check")
 s = load(int(os.environ.get("TOKENS", 65536)))
 runs = {"blocks": {"record_block_tokens": 32768}, "alone": {"record_block_tokens": 0},
-        "blocks_again": {"record_block_tokens": 32768},
-        "thread_blocks": {"record_block_tokens": 32768, "recording_thread": True},
-        "thread_alone": {"record_block_tokens": 0, "recording_thread": True}}
+        "blocks_again": {"record_block_tokens": 32768}}
 result: dict = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 "torch": torch.__version__,
                 "runs": {"batch_16": hashes(s, s.base, runs),

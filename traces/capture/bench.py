@@ -118,15 +118,14 @@ def _children_cpu() -> float:
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = (),
                      kernels: tuple[bool, ...] = (), ci_width: float = 0.0,
-                     blocks: tuple[int, ...] = (), threads: tuple[bool, ...] = ()) -> list[dict]:
+                     blocks: tuple[int, ...] = ()) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
     in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``),
     ``streams``: with each of these recording streams (default: ``cfg.recording_stream``),
-    ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), ``blocks``:
-    with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), and
-    ``threads``: with ``recording_thread`` off and on (default: ``cfg.recording_thread``), all in
-    the same rounds, side by side; one result per writer and recording (stream, kernel, block and
-    thread setting), the forward shared, the hooks shared by the writers of a recording."""
+    ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), and ``blocks``:
+    with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), all in the
+    same rounds, side by side; one result per writer and recording (stream, kernel and block
+    setting), the forward shared, the hooks shared by the writers of a recording."""
     from traces.capture.capture import (
         batch_tokens,
         build_meta,
@@ -140,15 +139,13 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     tokens = sum(len(w.tokens) for w in windows)
     probs = router_returns_probabilities(model, sites)
     writers = tuple(writers) or (cfg.writer,)
-    recordings = [(s, k, b, th) for s in tuple(streams) or (cfg.recording_stream,)
+    recordings = [(s, k, b) for s in tuple(streams) or (cfg.recording_stream,)
                   for k in tuple(kernels) or (cfg.top_r_kernel,)
-                  for b in tuple(blocks) or (cfg.record_block_tokens,)
-                  for th in tuple(threads) or (cfg.recording_thread,)]
+                  for b in tuple(blocks) or (cfg.record_block_tokens,)]
     variants = [(w, *rec) for w in writers for rec in recordings]
 
-    def recording(stream: str, kernel: bool, block: int, thread: bool) -> CaptureConfig:
-        return replace(cfg, recording_stream=stream, top_r_kernel=kernel, record_block_tokens=block,
-                       recording_thread=thread)
+    def recording(stream: str, kernel: bool, block: int) -> CaptureConfig:
+        return replace(cfg, recording_stream=stream, top_r_kernel=kernel, record_block_tokens=block)
 
     def hooks(*rec) -> dict:
         return capture_windows(model, sites, windows, recording(*rec), lambda rows: None, logits_are_probs=probs)
@@ -205,8 +202,7 @@ def _narrow_enough(width: float, captures: list[str]):
     return enough
 
 
-def _recording(stream: str, kernel: bool, block: int | None = None, thread: bool = False,
-               per_block: int | None = None) -> str:
+def _recording(stream: str, kernel: bool, block: int | None = None, per_block: int | None = None) -> str:
     """A recording's label; ``per_block``: the most forwards a block held, where a result says."""
     if block is None:
         held = ""
@@ -216,8 +212,7 @@ def _recording(stream: str, kernel: bool, block: int | None = None, thread: bool
         held = f", forwards handed on alone (record_block_tokens {block:,} holds no two of them)"
     else:
         held = f", forwards held in blocks of {block:,} tokens" + (f" (up to {per_block})" if per_block else "")
-    return (f"recording on the {stream} stream" + (", on a thread of its own" if thread else "")
-            + ("" if kernel else ", top-R by sorts") + held)
+    return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts") + held
 
 
 def _mode(writer: str, *rec) -> str:
@@ -228,12 +223,12 @@ def _hooks_mode(*rec) -> str:
     return f"hooks ({_recording(*rec)})"
 
 
-def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int, bool], tokens: int, t: dict, rounds: dict,
+def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: int, t: dict, rounds: dict,
               cpu: dict, stats: dict, units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
     """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel,
-    record_block_tokens, recording_thread), its modes named ``hooks`` and ``capture``."""
-    writer, stream, kernel, block, thread = variant
-    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block, thread)
+    record_block_tokens), its modes named ``hooks`` and ``capture``."""
+    writer, stream, kernel, block = variant
+    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block)
     t_fwd, t_hooks, t_cap = t["forward"], t[hooks], t[mode]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
@@ -249,7 +244,6 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int, bool], tok
         "top_r_kernel": kernel,  # asked for: it runs on a GPU with Triton and top-R logits
         "record_block_tokens": block,
         "record_block_forwards": stats.get("forwards_per_block"),  # the most one block held: 1, every forward alone
-        "recording_thread": thread,
         "unit_tokens": units[-1],
         "model_cpu": cpu_of_model,
         "shared_rows": cfg.shared_rows,  # the CPU the model's thread was pinned to (pin_threads), or None
@@ -380,9 +374,7 @@ def overhead_table(bench: dict) -> list[str]:
         if "shared_rows" in r:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
-            label = _recording(r["recording_stream"], r.get("top_r_kernel", True), r.get("record_block_tokens"),
-                               r.get("recording_thread", False), r.get("record_block_forwards"))
-            encoders += f", {label}"
+            encoders += f", {_recording(r['recording_stream'], r.get('top_r_kernel', True), r.get('record_block_tokens'), r.get('record_block_forwards'))}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
@@ -440,10 +432,6 @@ def main(argv: list[str] | None = None) -> None:
                    help="tokens of routing the recording holds before handing rows on (moe-capture's "
                         "record_block_tokens; 0: every forward alone); comma-separated to compare them in "
                         "the same rounds")
-    p.add_argument("--recording-thread", default="1" if defaults.recording_thread else "0",
-                   help="1: the recording's work after each forward on a thread of its own (moe-capture's "
-                        "recording_thread), 0: on the model's thread; comma-separated to compare them in the "
-                        "same rounds")
     p.add_argument("--repeats", type=int, default=3, help="rounds (the most, with --ci-width)")
     p.add_argument("--ci-width", type=float, default=0.0,
                    help="end the rounds early, from the 5th on, once every capture's overhead has a 95 %% "
@@ -465,9 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.ci_width >= 0:
         p.error(f"--ci-width {args.ci_width}: give a width in points >= 0 (0: run every round)")
     pins, shares, kernels = args.pin_threads.split(","), args.shared_rows.split(","), args.top_r_kernel.split(",")
-    threads = args.recording_thread.split(",")
-    for flag, values in (("--pin-threads", pins), ("--shared-rows", shares), ("--top-r-kernel", kernels),
-                         ("--recording-thread", threads)):
+    for flag, values in (("--pin-threads", pins), ("--shared-rows", shares), ("--top-r-kernel", kernels)):
         if any(x not in ("0", "1") for x in values):
             p.error(f"{flag} {','.join(values)}: give 1 or 0, comma-separated")
 
@@ -499,10 +485,9 @@ def main(argv: list[str] | None = None) -> None:
                       pin_threads=pin == "1", shared_rows=share == "1")
         for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
                                   tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels),
-                                  args.ci_width, held, tuple(x == "1" for x in threads)):
+                                  args.ci_width, held):
             results["runs"].append(r)
             print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} "
-                  f"recording thread {int(r['recording_thread'])} "
                   f"top-R kernel {int(r['top_r_kernel'])} block {r['record_block_tokens']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
                   f"model's CPU "
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "

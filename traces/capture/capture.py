@@ -12,14 +12,11 @@ stores (top R with ids, as ``traces.format`` would select them on the host), the
 the sink's shared memory (``shared_rows``, registered with CUDA), or else into pinned host memory; a drain thread hands each batch to the sink, by default a
 :class:`~traces.capture.writer.ParallelTraceWriter` whose encoder processes read the rows where
 the device wrote them and encode row groups in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
-the loop wait (``blocked_s`` in the summary). With ``recording_thread`` (teacher-forced), the
-recording's host work after each forward (the NLL, each block's stack, stored forms and hand-on)
-runs on a thread of its own too, in the same order.
+the loop wait (``blocked_s`` in the summary).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 import queue
@@ -154,55 +151,6 @@ class Storage:
                    lookahead_top_r=la_r)
 
 
-class _InOrder:
-    """Runs the callables given to :meth:`submit` one after another on a thread of its own, at most
-    ``depth`` of them waiting (:meth:`submit` blocks beyond). The first error is re-raised by the
-    next :meth:`submit` or by :meth:`close`, and the callables after it are skipped. ``scope``: a
-    context manager factory that holds around all the calls on that thread."""
-
-    def __init__(self, name: str, depth: int, scope=contextlib.nullcontext):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._scope = scope
-        self._error: BaseException | None = None
-        self._closed = False  # the thread has taken close's end mark
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        leave_model_core()
-        try:
-            with self._scope():
-                self._serve()
-        except BaseException as e:  # the scope failed: no job runs, the queue still drains
-            self._error = self._error or e
-            if not self._closed:
-                self._serve()
-
-    def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    job()
-                except BaseException as e:  # re-raised in the capture loop
-                    self._error = e
-        self._closed = True
-
-    def raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def submit(self, job) -> None:
-        self.raise_error()
-        self._queue.put(job)
-
-    def close(self, check: bool = True) -> None:
-        """Wait until every callable submitted has run; then re-raise an error (``check``)."""
-        self._queue.put(None)
-        self._thread.join()
-        if check:
-            self.raise_error()
-
-
 class _Drain:
     """Moves recorded device tensors to the host and into the sink on a thread of its own.
 
@@ -225,21 +173,36 @@ class _Drain:
         self._side = side
         # copies on a stream of their own overlap the next forward instead of queueing behind it
         self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
         self.blocked_s = 0.0
-        self._jobs = _InOrder("trace-drain", depth)
+        self._thread = threading.Thread(target=self._run, name="trace-drain", daemon=True)
+        self._thread.start()
 
-    def _deliver(self, event, host: dict[str, np.ndarray], copies: dict) -> None:
-        if event is not None:
-            event.synchronize()
-        self._write(Rows(**host, **{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in copies.items()}))
+    def _run(self) -> None:
+        leave_model_core()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue
+            event, host, copies = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                self._write(Rows(**host, **{k: v.numpy() if isinstance(v, torch.Tensor) else v
+                                           for k, v in copies.items()}))
+            except BaseException as e:  # re-raised in the capture loop
+                self._error = e
 
     @contextlib.contextmanager
-    def beside(self, *inputs: torch.Tensor | None, after=None):
+    def beside(self, *inputs: torch.Tensor | None):
         """Run the device work issued inside on the drain's stream, after what the model's stream
-        has queued so far (or after the event ``after``, recorded there): a block's top-R selection
-        and NLL (in generate mode also the stacking of its steps) then run beside the next forward
-        instead of ahead of it (that work is milliseconds per forward of a small model at batch 16;
-        a forward whose inputs are copied from pageable memory waits for its stream).
+        has queued so far: a block's top-R selection and NLL (in generate mode also the stacking
+        of its steps) then run beside the next forward instead of ahead of it (that work is
+        milliseconds per forward of a small model at batch 16; a forward whose inputs are copied
+        from pageable memory waits for its stream).
 
         ``inputs``: the model's tensors that work reads (router outputs, LM logits, input ids),
         kept from the allocator until the drain's stream is past them. Without ``side`` or a GPU,
@@ -248,10 +211,7 @@ class _Drain:
         if not (self._cuda and self._side):
             yield
             return
-        if after is not None:
-            self._stream.wait_event(after)
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         for t in inputs:
             if t is not None:
                 t.record_stream(self._stream)
@@ -260,7 +220,8 @@ class _Drain:
 
     def put(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]) -> None:
         """Queue one block of rows: host arrays as they are, device tensors copied asynchronously."""
-        self._jobs.raise_error()
+        if self._error is not None:
+            raise self._error
         views = self._lend(host, device)
         if views is not None:  # every column in the sink's shared memory
             host, copies = {}, views
@@ -271,7 +232,7 @@ class _Drain:
         else:
             copies, event = {k: t.detach().cpu() for k, t in device.items()}, None
         start = time.perf_counter()
-        self._jobs.submit(functools.partial(self._deliver, event, host, copies))
+        self._queue.put((event, host, copies))
         self.blocked_s += time.perf_counter() - start
 
     def _lend(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
@@ -308,7 +269,10 @@ class _Drain:
 
     def close(self) -> None:
         """Wait until everything queued is written; re-raise a writer error."""
-        self._jobs.close()
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -428,14 +392,13 @@ def right_padded(batch: list[Window], device: torch.device):
 @dataclass
 class _Forward:
     """One teacher-forced forward the recording holds: its windows, their lengths, the padded
-    length S, what the hooks kept and the tokens' NLL (float32[B * S], on the device; set by
-    :func:`_record_nll`)."""
+    length S, what the hooks kept and the tokens' NLL (float32[B * S], on the device)."""
 
     windows: list[Window]
     lengths: np.ndarray
     S: int
     raw: RawStep
-    nll: torch.Tensor | None = None
+    nll: torch.Tensor
 
     @property
     def padded(self) -> bool:
@@ -467,14 +430,8 @@ def _host_columns(windows: list[Window], lengths: np.ndarray, prefill_tokens: in
     }
 
 
-# recording_thread: the forwards' recording work that may wait for the recording thread. Each
-# holds that forward's LM logits on the device (16 windows of 512 tokens with a 151,936-token
-# vocabulary: 2.5 GB), and the thread holds one more while it works on it
-RECORDING_DEPTH = 1
-
-
 def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill_tokens, drain, stored, on_tokens,
-                   block_tokens: int = 0, block_bytes: int = 0, thread: bool = False):
+                   block_tokens: int = 0, block_bytes: int = 0):
     """One forward per batch of windows; records every real token.
 
     The routing of consecutive forwards is held (up to ``block_tokens`` token slots and
@@ -484,10 +441,6 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
     the forwards after it, so the writer (faster than the model) has encoded it before the last
     forward ends, and the last forward goes alone: the close waits for one forward's rows only.
     The same rows either way. Returns the most forwards one block held (1: every forward alone).
-
-    ``thread``: each forward's NLL and each block's hand-on run on a thread of their own
-    (:func:`_recording_thread`), in order, so that the thread driving the model only runs the
-    forwards, its router hooks and the blocks' bookkeeping. The same rows either way.
     """
     device = model.device
     todo = list(batches(windows, batch_size))
@@ -495,86 +448,37 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
     after = np.cumsum(slots_of[::-1])[::-1].tolist()[1:] + [0]  # slots of the forwards after each
     held: list[_Forward] = []
     slots_held = bytes_held = most = 0
-    recording = _recording_thread(device) if thread else None
-
-    def run(job, *args) -> None:  # on the recording thread, or here
-        if recording is None:
-            job(*args)
-        else:
-            recording.submit(functools.partial(job, *args))
-
-    try:
-        for i, batch in enumerate(todo):
-            ids, lengths, input_ids, mask = right_padded(batch, device)
-            B, S = ids.shape
-            out = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-            raw = recorder.take(B * S)
-            done = _model_event(device) if recording is not None else None  # the forward's end
-            forward = _Forward(batch, lengths, S, raw)
-            run(_record_nll, forward, out.logits, input_ids, drain, done)
-            del out  # the LM logits go when their NLL is taken
-            held.append(forward)
-            on_tokens(int(lengths.sum()))
-            nbytes = raw.nbytes()
-            slots_held, bytes_held = slots_held + B * S, bytes_held + nbytes
-            # hand on unless the next forward fits: in the slots, in the slots of the forwards after
-            # it, and in the bytes (a slot's router outputs are the same size in every forward)
-            more = slots_held + slots_of[i + 1]
-            if i + 1 == len(todo) or more > min(block_tokens, after[i + 1]) or \
-                    bytes_held + nbytes // (B * S) * slots_of[i + 1] > block_bytes:
-                run(_hand_on, held, prefill_tokens, drain, stored, device)
-                most = max(most, len(held))
-                held, slots_held, bytes_held = [], 0, 0
-    except BaseException:
-        if recording is not None:
-            recording.close(check=False)
-        raise
-    if recording is not None:
-        recording.close()
+    for i, batch in enumerate(todo):
+        ids, lengths, input_ids, mask = right_padded(batch, device)
+        B, S = ids.shape
+        out = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        raw = recorder.take(B * S)
+        with drain.beside(out.logits, input_ids):
+            nll = token_nll(out.logits, input_ids).reshape(-1)
+        held.append(_Forward(batch, lengths, S, raw, nll))
+        on_tokens(int(lengths.sum()))
+        nbytes = raw.nbytes()
+        slots_held, bytes_held = slots_held + B * S, bytes_held + nbytes
+        # hand on unless the next forward fits: in the slots, in the slots of the forwards after
+        # it, and in the bytes (a slot's router outputs are the same size in every forward)
+        more = slots_held + slots_of[i + 1]
+        if i + 1 == len(todo) or more > min(block_tokens, after[i + 1]) or \
+                bytes_held + nbytes // (B * S) * slots_of[i + 1] > block_bytes:
+            _hand_on(held, prefill_tokens, drain, stored, device)
+            most = max(most, len(held))
+            held, slots_held, bytes_held = [], 0, 0
     return most
-
-
-def _model_event(device: torch.device):
-    """An event recorded now on the model's (the current) stream; None off a GPU."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-def _recording_thread(device: torch.device) -> _InOrder:
-    """The thread of ``recording_thread``: in inference mode, with the model's stream (this
-    thread's current one) as its current stream, so that its device work is ordered as it would
-    be here."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def scope():
-        with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            yield
-
-    return _InOrder("trace-recording", RECORDING_DEPTH, scope)
-
-
-def _record_nll(forward: _Forward, lm_logits: torch.Tensor, input_ids: torch.Tensor, drain, done=None) -> None:
-    """The NLL of a forward's tokens, on the drain's stream: after the event ``done`` (the forward's
-    end, recorded on the model's stream) where given, else after what that stream has queued."""
-    with drain.beside(lm_logits, input_ids, after=done):
-        forward.nll = token_nll(lm_logits, input_ids).reshape(-1)
 
 
 def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -> None:
     """Stack the routing of the forwards ``held`` on the model's stream, put it in stored form on
-    the drain's stream (:meth:`_Drain.beside`: after the stack, and on the recording thread after
-    whatever the model's thread has queued since), then queue it with the host columns to the
-    drain.
+    the drain's stream (:meth:`_Drain.beside`), then queue it with the host columns to the drain.
 
     The stack stays on the model's stream: there the layers' router outputs go back to that
     stream's memory pool once stacked, ready for the next forward. Stacked on the drain's stream
     (69c763c), each one is held from the allocator until that stream is past it; two runs at
-    batch 16 then gave +11.8 % and +18.0 %, sixteen with the stack here +11.0 % pooled
-    (docs/CAPTURE.md, runs 1207a-g)."""
+    batch 16 then gave +11.8 % and +18.0 %, twenty with the stack here +11.8 % pooled
+    (docs/CAPTURE.md, runs 1207a-l)."""
     routing = StepRouting.stacked([f.raw for f in held])
     slots_np = _real_slots(held)
     slots = None if slots_np is None else torch.from_numpy(slots_np).to(device)
@@ -827,8 +731,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
                                                     storage.lookahead) as rec:
             if cfg.mode == "teacher_forced":
                 per_block = teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored,
-                                           on_tokens, cfg.record_block_tokens, RECORD_BLOCK_BYTES,
-                                           cfg.recording_thread)
+                                           on_tokens, cfg.record_block_tokens, RECORD_BLOCK_BYTES)
             else:
                 generate(model, rec, windows, cfg.batch_size, cfg.generate, cfg.model.seed, drain, stored,
                          on_tokens)

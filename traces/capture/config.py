@@ -100,12 +100,5 @@ class CaptureConfig:
     # rounds); at batch 16, blocks of four 8,192-token forwards made the recording 2.3 % slower
     # (6 of 6 rounds; docs/CAPTURE.md, runs 1206p and 1206q)
     record_block_tokens: int = 8192
-    # teacher_forced: each forward's NLL and each block's stack, stored forms and hand-on run on a
-    # thread of their own instead of the thread that drives the model, which then runs little
-    # more than the forwards and their router hooks (the two threads share the GIL; their device
-    # work is ordered as without it). Up to two forwards' LM logits wait for that thread on the
-    # device. The same rows either way. Off by default: not yet measured on a GPU host; on a CPU
-    # the recording's work competes with the forward for the cores (slower there; docs/CAPTURE.md)
-    recording_thread: bool = False
     prefill_tokens: int = 0  # teacher_forced: first N tokens of each window recorded as prefill
     progress: bool | None = None  # progress bar with tokens/s; null = only on a terminal
