@@ -1148,6 +1148,58 @@ def test_bench_stops_at_the_interval_width_asked_and_rejects_a_negative_one(tmp_
     assert exc.value.code == 2 and "--ci-width -1.0: give a width in points >= 0" in capsys.readouterr().err
 
 
+def test_bench_rounds_start_only_where_they_would_end_by_the_deadline(monkeypatch, capsys):
+    """``deadline``: a round starts only where it would end by the deadline as long as the longest
+    round so far took; the first round always runs; each round's end and an early stop are
+    reported on stderr. A clock that each pass moves on by its seconds."""
+    from traces.capture import bench
+
+    class Clock:
+        now = 100.0
+
+        def perf_counter(self):
+            return self.now
+
+        def process_time(self):
+            return 0.0
+
+        thread_time = process_time
+
+    clock = Clock()
+    monkeypatch.setattr(bench, "time", clock)
+
+    def takes(seconds):
+        def fn():
+            clock.now += seconds
+            return seconds
+        return fn
+
+    fns = {"forward": takes(1.0), "capture": takes(1.5)}  # 2.5 s a round, the warm-up too
+    # ends of the rounds: 105, 107.5, 110, 112.5 (starts: the warm-up ends at 102.5)
+    for deadline, rounds in ((110.0, 3), (111.0, 3), (112.5, 4), (120.0, 5), (50.0, 1), (None, 5)):
+        clock.now = 100.0
+        _, _, times, _ = bench._timed_rounds(fns, repeats=5, deadline=deadline)
+        assert len(times["forward"]) == len(times["capture"]) == rounds, deadline
+        err = capsys.readouterr().err
+        assert err.count("[bench] round ") == rounds
+        assert (f"[bench] {rounds} of 5 rounds: the next would end past --time-limit" in err) == (rounds < 5)
+
+
+def test_bench_time_limit_keeps_one_round_per_setting_and_rejects_a_negative_one(tmp_path, monkeypatch, capsys):
+    """``--time-limit``: once the limit is near, each setting runs its first round only; every
+    setting's result is in the file; a negative limit is refused before a model loads."""
+    runs = _bench_spied(tmp_path, monkeypatch, lambda real, *a, **k: real(*a, **k), "--batch-sizes", "1,2",
+                        "--repeats", "4", "--writer", "threads", "--time-limit", "0.001")
+    assert [(r["batch_size"], r["rounds"], len(r["rounds_s"]["capture"])) for r in runs] == [(1, 1, 1), (2, 1, 1)]
+    assert json.loads((tmp_path / "bench.json").read_text())["time_limit_s"] == 0.001
+    assert capsys.readouterr().err.count("the next would end past --time-limit") == 2
+    from traces.capture import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--model", str(tmp_path / "none"), "--input", str(tmp_path), "--time-limit", "-5"])
+    assert exc.value.code == 2 and "--time-limit -5.0: give seconds >= 0 (0: no limit)" in capsys.readouterr().err
+
+
 def test_the_writers_auto_unit_is_one_forward_within_1_16_to_1_2_of_a_row_group(monkeypatch):
     from traces.capture import capture as C
     from traces.capture.config import GenerateConfig, InputConfig

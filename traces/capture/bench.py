@@ -9,6 +9,9 @@ bootstrap interval over the rounds (:func:`overhead_interval`): on a host whose 
 pass to pass, a few rounds leave an overhead uncertain by several points. ``--ci-width W`` ends
 the rounds early (from the fifth on, ``--repeats`` the most) once every capture's interval is at
 most W points wide: ``--repeats 60 --ci-width 4`` measures until it can tell 10 % from 14 %.
+On a host lent for a fixed time, ``--time-limit S`` starts no round that would end more than S
+seconds after the bench started (each setting's first round always runs), and ``--out`` holds
+every setting measured so far. Each round's end is reported on stderr.
 The capture pass is also reported without its close (encoding the units still pending when the
 last forward is done): that tail is fixed per capture, so a long capture's overhead tends to the
 loop's, as long as the loop never waits for the writer. The capture settings are moe-capture's defaults unless given
@@ -27,6 +30,7 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -70,7 +74,7 @@ class Timed(NamedTuple):
     result: object
 
 
-def _timed_rounds(fns: dict, repeats: int, alternate: bool = False, enough=None,
+def _timed_rounds(fns: dict, repeats: int, alternate: bool = False, enough=None, deadline: float | None = None,
                   ) -> tuple[dict[str, float], dict, dict[str, list[float]], dict]:
     """Median seconds of each of ``fns`` over ``repeats`` rounds (one call of each per round, in
     turn), after a warm-up call of each; and each function's last result. A function that returns
@@ -82,7 +86,9 @@ def _timed_rounds(fns: dict, repeats: int, alternate: bool = False, enough=None,
     timed rounds in seconds (the drift). Fourth: each function's median CPU seconds per call, of
     the calling thread (``main_thread``) and of the process's other threads (``other_threads``).
     ``enough(times)``: called after each round with the rounds so far; True ends the rounds
-    before ``repeats`` (which is then the most)."""
+    before ``repeats`` (which is then the most). ``deadline`` (a ``time.perf_counter()`` value):
+    no round starts that would end after it, as long as the longest round so far (the first
+    round always runs). Each round's end is reported on stderr."""
     def call(fn) -> tuple[float, object]:
         start = time.perf_counter()
         out = fn()
@@ -91,13 +97,21 @@ def _timed_rounds(fns: dict, repeats: int, alternate: bool = False, enough=None,
     results = {name: call(fn)[1] for name, fn in fns.items()}  # warm-up: kernels, allocator, first writer
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[tuple[float, float, float]]] = {name: [] for name in fns}
+    longest = 0.0
     for r in range(repeats):
+        if r and deadline is not None and time.perf_counter() + longest > deadline:
+            print(f"[bench] {r} of {repeats} rounds: the next would end past --time-limit", file=sys.stderr,
+                  flush=True)
+            break
+        began = time.perf_counter()
         for name, fn in (reversed(fns.items()) if alternate and r % 2 else fns.items()):
             process, thread, children = time.process_time(), time.thread_time(), _children_cpu()
             seconds, results[name] = call(fn)
             times[name].append(seconds)
             cpu[name].append((time.process_time() - process, time.thread_time() - thread,
                               _children_cpu() - children))
+        longest = max(longest, time.perf_counter() - began)
+        print(f"[bench] round {r + 1} of {repeats}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
         if enough is not None and enough(times):
             break
     cpu_s = {name: {"main_thread": round(statistics.median(c[1] for c in runs), 3),
@@ -118,14 +132,15 @@ def _children_cpu() -> float:
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = (),
                      kernels: tuple[bool, ...] = (), ci_width: float = 0.0,
-                     blocks: tuple[int, ...] = ()) -> list[dict]:
+                     blocks: tuple[int, ...] = (), deadline: float | None = None) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
     in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``),
     ``streams``: with each of these recording streams (default: ``cfg.recording_stream``),
     ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), and ``blocks``:
     with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), all in the
     same rounds, side by side; one result per writer and recording (stream, kernel and block
-    setting), the forward shared, the hooks shared by the writers of a recording."""
+    setting), the forward shared, the hooks shared by the writers of a recording. ``deadline``:
+    as in :func:`_timed_rounds`."""
     from traces.capture.capture import (
         batch_tokens,
         build_meta,
@@ -179,7 +194,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     modes.update({_mode(*v): (lambda v=v: capture(*v)) for v in variants})
     with isolated(pins_threads(cfg, model.device)) as cpu_of_model:  # all passes alike
         t, last, rounds, cpu = _timed_rounds(modes, repeats, alternate=True,
-                                             enough=_narrow_enough(ci_width, [_mode(*v) for v in variants]))
+                                             enough=_narrow_enough(ci_width, [_mode(*v) for v in variants]),
+                                             deadline=deadline)
     return [_overhead(cfg, v, tokens, t, rounds, cpu, last[_mode(*v)], units[v], closes[v], opens[v], cpu_of_model)
             for v in variants]
 
@@ -395,6 +411,7 @@ def _counts(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()  # --time-limit counts from here, the model's load included
     defaults = CaptureConfig()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -436,6 +453,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ci-width", type=float, default=0.0,
                    help="end the rounds early, from the 5th on, once every capture's overhead has a 95 %% "
                         "interval at most this many points wide (0: run every round)")
+    p.add_argument("--time-limit", type=float, default=0.0,
+                   help="seconds from the start (the model's load included) by which the rounds should end: "
+                        "no round starts that would end later, as long as the longest so far (each setting's "
+                        "first round always runs); results so far are written to --out after each setting. "
+                        "For a host lent for a fixed time (0: no limit)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -452,6 +474,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
     if not args.ci_width >= 0:
         p.error(f"--ci-width {args.ci_width}: give a width in points >= 0 (0: run every round)")
+    if not args.time_limit >= 0:
+        p.error(f"--time-limit {args.time_limit}: give seconds >= 0 (0: no limit)")
+    deadline = started + args.time_limit if args.time_limit else None
     pins, shares, kernels = args.pin_threads.split(","), args.shared_rows.split(","), args.top_r_kernel.split(",")
     for flag, values in (("--pin-threads", pins), ("--shared-rows", shares), ("--top-r-kernel", kernels)):
         if any(x not in ("0", "1") for x in values):
@@ -475,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
                # the capture code timed (traces.provenance): the checkout's last commit of it, and
                # the files' own fingerprint, which names them also where the copy's .git lags
                "capture_commit": capture_commit(), "capture_sources": sources_fingerprint(),
-               "runs": []}
+               "time_limit_s": args.time_limit or None, "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
     writers = tuple(args.writer.split(","))  # side by side in the same rounds
     for logits, workers, bs, unit, pin, share in itertools.product(
@@ -485,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
                       pin_threads=pin == "1", shared_rows=share == "1")
         for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
                                   tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels),
-                                  args.ci_width, held):
+                                  args.ci_width, held, deadline):
             results["runs"].append(r)
             print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} "
                   f"top-R kernel {int(r['top_r_kernel'])} block {r['record_block_tokens']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
@@ -501,8 +526,8 @@ def main(argv: list[str] | None = None) -> None:
                   + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f} / {v['child_processes']:.2f}"
                               for k, v in r["cpu_s"].items()),
                   flush=True)
-    if args.out:
-        atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
+        if args.out:  # after each setting: a process stopped later keeps the settings measured
+            atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(f"\n{name} on {results['gpu'] or results['device']} ({results['layers']} MoE layers, "
           f"{results['experts']} experts, top-{results['top_k']}), {results['runs'][0]['tokens']:,} "
           f"tokens per pass, capture code of {results['capture_commit']} (sources {results['capture_sources']}):\n")
