@@ -110,8 +110,9 @@ def _timed_rounds(fns: dict, repeats: int, alternate: bool = False, enough=None,
             times[name].append(seconds)
             cpu[name].append((time.process_time() - process, time.thread_time() - thread,
                               _children_cpu() - children))
-        longest = max(longest, time.perf_counter() - began)
-        print(f"[bench] round {r + 1} of {repeats}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+        took = time.perf_counter() - began
+        longest = max(longest, took)
+        print(f"[bench] round {r + 1} of {repeats}: {took:.1f} s", file=sys.stderr, flush=True)
         if enough is not None and enough(times):
             break
     cpu_s = {name: {"main_thread": round(statistics.median(c[1] for c in runs), 3),
