@@ -1022,6 +1022,8 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     noisy = [(list(f * rng.normal(r, 0.05, 9)), list(f)) for r in (1.05, 1.15) for f in [rng.uniform(1, 3, 9)]]
     point, (low, high) = pooled_overhead(noisy, by_round=True)
     assert low < 5.0 and high > 15.0 and low <= point <= high
+    three = noisy + [(list(np.asarray(noisy[0][1]) * 1.1), noisy[0][1])]
+    assert pooled_overhead(three[::-1]) == pooled_overhead(three) != pooled_overhead(three[:2])  # whatever their order
     with pytest.raises(ValueError, match="at least one run"):
         pooled_overhead([])
     with pytest.raises(ValueError, match="one forward time per round"):

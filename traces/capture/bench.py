@@ -329,7 +329,7 @@ def pooled_overhead(runs: list[tuple[list[float], list[float]]], by_round: bool 
     medians, or ``by_round`` the median round), in %, and its percentile bootstrap interval drawn
     in two stages, runs with replacement and then each drawn run's rounds, so that both the
     spread between hosts and the noise within each run widen it. (point, [low, high]), rounded
-    to 0.1."""
+    to 0.1. The runs' order does not change it: they are drawn in an order of their own."""
     import numpy as np
 
     if not runs:
@@ -341,6 +341,7 @@ def pooled_overhead(runs: list[tuple[list[float], list[float]]], by_round: bool 
         if t.shape != f.shape or t.ndim != 1 or not t.size:
             raise ValueError("one time and one forward time per round, at least one round in each run")
         pairs.append((t, f))
+    pairs.sort(key=lambda pair: (pair[0].tolist(), pair[1].tolist()))  # the same draws, whatever the order given
 
     def figure(t, f):  # [..., rounds] -> [...]
         return np.median(t / f, axis=-1) if by_round else np.median(t, axis=-1) / np.median(f, axis=-1)
