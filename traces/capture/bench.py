@@ -392,7 +392,9 @@ def overhead_table(bench: dict) -> list[str]:
         if "shared_rows" in r:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
-            encoders += f", {_recording(r['recording_stream'], r.get('top_r_kernel', True), r.get('record_block_tokens'), r.get('record_block_forwards'))}"
+            label = _recording(r["recording_stream"], r.get("top_r_kernel", True), r.get("record_block_tokens"),
+                               r.get("record_block_forwards"))
+            encoders += f", {label}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
             f"{r['forward_tokens_per_s']:,} | {r['hooks_tokens_per_s']:,} | {r['capture_tokens_per_s']:,} | "
