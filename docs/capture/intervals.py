@@ -68,10 +68,10 @@ def parse_where(items: list[str]) -> dict[str, str]:
 
 
 SAME = ("model", "batch_size", "tokens", "logits", "lookahead", "writer", "writers", "recording_stream", "shared_rows",
-        "top_r_kernel", "model_cpu", "record_block_tokens", "recording_thread")  # what runs pooled must share
+        "top_r_kernel", "top_r_programs", "model_cpu", "record_block_tokens", "recording_thread")  # what runs pooled must share
 # what results saved before a setting existed (or after it was removed: recording_thread, 2026-12-07,
 # docs/CAPTURE.md) ran with
-BEFORE = {"record_block_tokens": 0, "recording_thread": False}
+BEFORE = {"record_block_tokens": 0, "recording_thread": False, "top_r_programs": 0}
 
 
 def pooled_row(paths: list[Path], where: dict[str, str] | None = None) -> str:
@@ -143,6 +143,8 @@ def _setting(r: dict) -> str:
         parts.append("recording on the model's stream")
     if r.get("top_r_kernel") is False:
         parts.append("top-R by two sorts")
+    elif r.get("top_r_programs"):
+        parts.append(f"top-R kernel in at most {r['top_r_programs']:,} programs")
     if r.get("shared_rows") is False:
         parts.append("rows copied")
     if r.get("recording_thread"):
