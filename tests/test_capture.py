@@ -1106,6 +1106,22 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     bad = subprocess.run(tool + [str(tmp_path / "short.json")], capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert "rounds_s: forward, hooks and capture need one time each per round" in bad.stderr
+    # the top-R kernel in fewer programs (run 1207q, the setting since removed): not pooled with
+    # the default, which results without the field ran; named in its row
+    capped = json.loads((tmp_path / "a.json").read_text())
+    for name, programs in (("one_per_row.json", 0), ("capped.json", 132)):
+        capped["runs"][0]["top_r_programs"] = programs
+        (tmp_path / name).write_text(json.dumps(capped))
+    ok = subprocess.run(tool + [str(tmp_path / "one_per_row.json"), result("b.json", 16, 1.15)], capture_output=True,
+                        text=True, env=env, check=True).stdout
+    assert "pooled: 2 runs" in ok
+    bad = subprocess.run(tool + [str(tmp_path / "capped.json"), result("b.json", 16, 1.15)], capture_output=True,
+                         text=True, env=env)
+    assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in top_r_programs (0, 132); '
+                                               'pool runs of one setting only']
+    row = subprocess.run(tool[:-1] + [str(tmp_path / "capped.json")], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()[-1]
+    assert "dispatcher, top-R kernel in at most 132 programs |" in row
 
 
 def test_bench_rounds_end_early_once_every_capture_interval_is_narrow_enough():

@@ -16,8 +16,7 @@ from traces.capture import capture, top_r  # noqa: E402
 # In Triton's interpreter (CPU tensors; a process of its own, since the interpreter is chosen when
 # Triton is first imported). Each case: (E, k, R, tie-heavy logits, rows); R = k, R = E - 1,
 # E not a power of two, the selected experts drawn at random (most of them below the R highest),
-# none selected (k = 0: look-ahead routing, also against the capture's sorts); each with a program
-# per row, with one program for every row and with five (``top_r_programs``).
+# none selected (k = 0: look-ahead routing, also against the capture's sorts).
 KERNEL_CHECK = """
 import numpy as np, torch
 from traces.capture import capture, top_r
@@ -34,11 +33,10 @@ for case, (E, k, r, ties, rows) in enumerate(cases):
     meta = TraceMeta.__new__(TraceMeta)
     meta.logits_top_r = r
     want = _stored_logits(meta, logits, experts)
-    for programs in (0, 1, 5):  # a program per row; one for all; rows shared unevenly (2 * rows in all)
-        values, ids = top_r.top_r(torch.from_numpy(logits), torch.from_numpy(experts), r, programs)
-        if not ((ids.numpy() == want["logit_ids"]).all()
-                and (values.numpy().view(np.uint16) == want["logits"].view(np.uint16)).all()):
-            bad.append((E, k, r, ties, programs))
+    values, ids = top_r.top_r(torch.from_numpy(logits), torch.from_numpy(experts), r)
+    if not ((ids.numpy() == want["logit_ids"]).all()
+            and (values.numpy().view(np.uint16) == want["logits"].view(np.uint16)).all()):
+        bad.append((E, k, r, ties))
     if not k:
         ahead = torch.from_numpy(logits)[:, None]  # [n, 1 layer, D = 2, E]
         sorts = capture.top_r_lookahead(ahead, r, torch.zeros(1, 2, dtype=torch.bool), kernel=False)

@@ -133,16 +133,14 @@ def _children_cpu() -> float:
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = (),
                      kernels: tuple[bool, ...] = (), ci_width: float = 0.0,
-                     blocks: tuple[int, ...] = (), deadline: float | None = None,
-                     programs: tuple[int, ...] = ()) -> list[dict]:
+                     blocks: tuple[int, ...] = (), deadline: float | None = None) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
     in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``),
     ``streams``: with each of these recording streams (default: ``cfg.recording_stream``),
     ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), and ``blocks``:
-    with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), ``programs``:
-    with each of these ``top_r_programs`` (default: ``cfg.top_r_programs``), all in the
-    same rounds, side by side; one result per writer and recording (stream, kernel, block and
-    programs setting), the forward shared, the hooks shared by the writers of a recording. ``deadline``:
+    with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), all in the
+    same rounds, side by side; one result per writer and recording (stream, kernel and block
+    setting), the forward shared, the hooks shared by the writers of a recording. ``deadline``:
     as in :func:`_timed_rounds`."""
     from traces.capture.capture import (
         batch_tokens,
@@ -157,15 +155,13 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     tokens = sum(len(w.tokens) for w in windows)
     probs = router_returns_probabilities(model, sites)
     writers = tuple(writers) or (cfg.writer,)
-    recordings = [(s, k, b, n) for s in tuple(streams) or (cfg.recording_stream,)
+    recordings = [(s, k, b) for s in tuple(streams) or (cfg.recording_stream,)
                   for k in tuple(kernels) or (cfg.top_r_kernel,)
-                  for b in tuple(blocks) or (cfg.record_block_tokens,)
-                  for n in tuple(programs) or (cfg.top_r_programs,)]
+                  for b in tuple(blocks) or (cfg.record_block_tokens,)]
     variants = [(w, *rec) for w in writers for rec in recordings]
 
-    def recording(stream: str, kernel: bool, block: int, programs: int) -> CaptureConfig:
-        return replace(cfg, recording_stream=stream, top_r_kernel=kernel, record_block_tokens=block,
-                       top_r_programs=programs)
+    def recording(stream: str, kernel: bool, block: int) -> CaptureConfig:
+        return replace(cfg, recording_stream=stream, top_r_kernel=kernel, record_block_tokens=block)
 
     def hooks(*rec) -> dict:
         return capture_windows(model, sites, windows, recording(*rec), lambda rows: None, logits_are_probs=probs)
@@ -223,8 +219,7 @@ def _narrow_enough(width: float, captures: list[str]):
     return enough
 
 
-def _recording(stream: str, kernel: bool, block: int | None = None, programs: int = 0,
-               per_block: int | None = None) -> str:
+def _recording(stream: str, kernel: bool, block: int | None = None, per_block: int | None = None) -> str:
     """A recording's label; ``per_block``: the most forwards a block held, where a result says."""
     if block is None:
         held = ""
@@ -234,8 +229,7 @@ def _recording(stream: str, kernel: bool, block: int | None = None, programs: in
         held = f", forwards handed on alone (record_block_tokens {block:,} holds no two of them)"
     else:
         held = f", forwards held in blocks of {block:,} tokens" + (f" (up to {per_block})" if per_block else "")
-    kernel = (f", top-R kernel in at most {programs:,} programs" if programs else "") if kernel else ", top-R by sorts"
-    return f"recording on the {stream} stream{kernel}{held}"
+    return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts") + held
 
 
 def _mode(writer: str, *rec) -> str:
@@ -246,12 +240,12 @@ def _hooks_mode(*rec) -> str:
     return f"hooks ({_recording(*rec)})"
 
 
-def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int, int], tokens: int, t: dict, rounds: dict,
+def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: int, t: dict, rounds: dict,
               cpu: dict, stats: dict, units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
     """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel,
-    record_block_tokens, top_r_programs), its modes named ``hooks`` and ``capture``."""
-    writer, stream, kernel, block, programs = variant
-    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block, programs)
+    record_block_tokens), its modes named ``hooks`` and ``capture``."""
+    writer, stream, kernel, block = variant
+    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block)
     t_fwd, t_hooks, t_cap = t["forward"], t[hooks], t[mode]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
@@ -265,7 +259,6 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int, int], toke
         "writer": writer,
         "recording_stream": stream,
         "top_r_kernel": kernel,  # asked for: it runs on a GPU with Triton and top-R logits
-        "top_r_programs": programs,  # the kernel's most programs at once (0: one per token-layer)
         "record_block_tokens": block,
         "record_block_forwards": stats.get("forwards_per_block"),  # the most one block held: 1, every forward alone
         "unit_tokens": units[-1],
@@ -400,7 +393,7 @@ def overhead_table(bench: dict) -> list[str]:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
             label = _recording(r["recording_stream"], r.get("top_r_kernel", True), r.get("record_block_tokens"),
-                               r.get("top_r_programs", 0), r.get("record_block_forwards"))
+                               r.get("record_block_forwards"))
             encoders += f", {label}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
@@ -456,9 +449,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-r-kernel", default="1" if defaults.top_r_kernel else "0",
                    help="1: the top-R logits selected by the Triton kernel where it runs (moe-capture's "
                         "top_r_kernel), 0: by two sorts; comma-separated to compare them in the same rounds")
-    p.add_argument("--top-r-programs", default=str(defaults.top_r_programs),
-                   help="the most programs the top-R kernel runs at once (moe-capture's top_r_programs; 0: one per "
-                        "token-layer); comma-separated to compare them in the same rounds")
     p.add_argument("--record-block-tokens", default=str(defaults.record_block_tokens),
                    help="tokens of routing the recording holds before handing rows on (moe-capture's "
                         "record_block_tokens; 0: every forward alone); comma-separated to compare them in "
@@ -484,7 +474,6 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--recording-stream {bad[0]} is not valid; choose from: {', '.join(RECORDING_STREAMS)}")
     units, encoders = _counts(p, "--unit-tokens", args.unit_tokens), _counts(p, "--writers", args.writers)
     held = tuple(_counts(p, "--record-block-tokens", args.record_block_tokens))
-    programs = tuple(_counts(p, "--top-r-programs", args.top_r_programs))
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: rounds must be at least 1")
     if not args.ci_width >= 0:
@@ -525,10 +514,10 @@ def main(argv: list[str] | None = None) -> None:
                       pin_threads=pin == "1", shared_rows=share == "1")
         for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
                                   tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels),
-                                  args.ci_width, held, deadline, programs):
+                                  args.ci_width, held, deadline):
             results["runs"].append(r)
             print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} "
-                  f"top-R kernel {int(r['top_r_kernel'])} programs {r['top_r_programs']} block {r['record_block_tokens']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
+                  f"top-R kernel {int(r['top_r_kernel'])} block {r['record_block_tokens']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
                   f"model's CPU "
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
                   f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %, 95 % interval "

@@ -299,21 +299,20 @@ def _sort_descending(values: torch.Tensor) -> torch.Tensor:
     return torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices
 
 
-def top_r_logits(logits: torch.Tensor, experts: torch.Tensor, r: int, score_dtype: torch.dtype = torch.float16,
-                 kernel: bool = True, programs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def top_r_logits(logits: torch.Tensor, experts: torch.Tensor, r: int,
+                 score_dtype: torch.dtype = torch.float16, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-R logits a trace stores, selected on the device exactly as ``traces.format`` does.
 
     ``logits`` float16[n, L, E], ``experts`` int64[n, L, k] -> (float16[n, L, R] descending,
     int16[n, L, R] their ids): the R highest, the selected experts always among them.
 
     With ``kernel`` (the capture's ``top_r_kernel``), on a GPU with Triton, one kernel does it
-    (:mod:`traces.capture.top_r`, in at most ``programs`` programs where > 0: the capture's
-    ``top_r_programs``); elsewhere two stable sorts. Their scores stay float16
+    (:mod:`traces.capture.top_r`); elsewhere two stable sorts. Their scores stay float16
     (``score_dtype``; float32 holds the same values in the same order): the sort over all E takes
     about 30 % less device time on 16-bit keys (docs/CAPTURE.md).
     """
     if kernel and score_dtype == torch.float16 and top_r.uses_kernel(logits):
-        out = top_r.top_r(logits, experts, r, programs)
+        out = top_r.top_r(logits, experts, r)
         if out is not None:
             return out
     score = logits.to(score_dtype, copy=True)
@@ -324,15 +323,15 @@ def top_r_logits(logits: torch.Tensor, experts: torch.Tensor, r: int, score_dtyp
     return values.gather(-1, order), ids.gather(-1, order).to(torch.int16)
 
 
-def top_r_lookahead(lookahead: torch.Tensor, r: int, missing: torch.Tensor, kernel: bool = True,
-                    programs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def top_r_lookahead(lookahead: torch.Tensor, r: int, missing: torch.Tensor,
+                    kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-R look-ahead as stored: float16[n, L, D, E] -> (float16 [n, L, D, R] descending, int16 ids):
     :func:`top_r_logits` with no expert selected (the kernel where ``kernel`` and it runs).
 
     ``missing`` bool[L, D]: layer l + d does not exist; its ids become the format's sentinel.
     """
     none = torch.empty((*lookahead.shape[:-1], 0), dtype=torch.int64, device=lookahead.device)
-    values, ids = top_r_logits(lookahead, none, r, kernel=kernel, programs=programs)
+    values, ids = top_r_logits(lookahead, none, r, kernel=kernel)
     ids[:, missing] = LOOKAHEAD_NO_LAYER
     return values, ids
 
@@ -343,13 +342,12 @@ def _real(values: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
 
 
 def _routing_parts(routing: StepRouting, slots: torch.Tensor | None, storage: Storage,
-                   missing: torch.Tensor | None, kernel: bool = True, programs: int = 0) -> dict[str, torch.Tensor]:
+                   missing: torch.Tensor | None, kernel: bool = True) -> dict[str, torch.Tensor]:
     """The recorded tensors of the real token slots (``slots``; None: every slot), in the form the
     trace stores (on the device).
 
     ``missing`` bool[L, D] (with look-ahead): layer l + d does not exist. ``kernel``: the top-R
-    selections' kernel where it runs (:func:`top_r_logits`, :func:`top_r_lookahead`), in at most
-    ``programs`` programs where > 0.
+    selections' kernel where it runs (:func:`top_r_logits`, :func:`top_r_lookahead`).
     """
     experts = _real(routing.experts, slots)
     parts = {"experts": experts.to(torch.int16), "weights": _real(routing.weights, slots)}
@@ -357,14 +355,14 @@ def _routing_parts(routing: StepRouting, slots: torch.Tensor | None, storage: St
         logits = _real(routing.logits, slots).to(torch.float16)
         if storage.logits_top_r:
             parts["logits"], parts["logit_ids"] = top_r_logits(logits, experts, storage.logits_top_r,
-                                                                   kernel=kernel, programs=programs)
+                                                                   kernel=kernel)
         else:
             parts["logits"] = logits
     if storage.lookahead:
         ahead = _real(routing.lookahead, slots).to(torch.float16)
         if storage.lookahead_top_r:
             parts["lookahead_logits"], parts["lookahead_ids"] = top_r_lookahead(
-                ahead, storage.lookahead_top_r, missing, kernel, programs)
+                ahead, storage.lookahead_top_r, missing, kernel)
         else:
             parts["lookahead_logits"] = ahead
     return parts
@@ -685,8 +683,6 @@ def check_config(cfg: CaptureConfig) -> None:
     if cfg.recording_stream not in RECORDING_STREAMS:
         raise InputError(f"recording_stream={cfg.recording_stream} is not valid; choose one of: "
                          f"{', '.join(RECORDING_STREAMS)}")
-    if cfg.top_r_programs < 0:
-        raise InputError(f"top_r_programs={cfg.top_r_programs} must be >= 0 (0: one program per token-layer)")
     if cfg.record_block_tokens < 0:
         raise InputError(f"record_block_tokens={cfg.record_block_tokens} must be >= 0 (0: every forward's "
                          "rows handed on alone)")
@@ -720,7 +716,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
     counted = [0]
 
     def stored(routing: StepRouting, slots: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        return _routing_parts(routing, slots, storage, missing, cfg.top_r_kernel, cfg.top_r_programs)
+        return _routing_parts(routing, slots, storage, missing, cfg.top_r_kernel)
 
     def on_tokens(n: int) -> None:
         counted[0] += n

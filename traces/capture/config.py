@@ -90,11 +90,6 @@ class CaptureConfig:
     # the top-R logits selected by one Triton kernel on a GPU with Triton (traces/capture/top_r.py);
     # false, or where it cannot run: two stable sorts. The same rows either way
     top_r_kernel: bool = True
-    # the most programs (thread blocks) the top-R kernel runs at once, each taking every N-th
-    # token-layer; 0: one per token-layer, the whole GPU for as long as it runs. A few leave the
-    # rest of the GPU to the next forward's kernels, which that selection runs beside. The same rows
-    # either way
-    top_r_programs: int = 0
     # teacher_forced: the recording holds the routing of consecutive forwards up to this many
     # tokens (and RECORD_BLOCK_BYTES of device memory, traces/capture/capture.py), then stacks it,
     # selects the stored forms and hands the rows on in one go: its host work per forward (a few

@@ -32,45 +32,42 @@ _FAILED: list[str] = []  # the kernel's first error on this host: then never tri
 def _kernel(triton, tl):
     """The Triton kernel, or None when Triton is not installed."""
     @triton.jit
-    def top_r_rows(x_ptr, sel_ptr, val_ptr, id_ptr, rows, E, stride, R,
+    def top_r_rows(x_ptr, sel_ptr, val_ptr, id_ptr, E, stride, R,
                    K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):
-        # rows pid, pid + programs, ...: one row each where the grid has a program per row
-        first_row, programs = tl.program_id(0), tl.num_programs(0)
-        for i in range(0, tl.cdiv(rows - first_row, programs)):
-            row = first_row.to(tl.int64) + i * programs
-            cols = tl.arange(0, E_PAD)
-            inside = cols < E
-            x = tl.load(x_ptr + row * stride + cols, mask=inside, other=0.0)
-            bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            bits = tl.where(bits == 0x8000, 0, bits)  # -0.0 as 0.0
-            # order-preserving: negative values have every bit flipped, the others the sign bit set
-            up = tl.where((bits & 0x8000) != 0, bits ^ 0xFFFF, bits | 0x8000)
-            selected = cols < 0
-            for j in tl.static_range(K):
-                selected = selected | (cols == tl.load(sel_ptr + row * K + j))
-            inf = 0xFC00  # +inf's bits, 0x7C00, mapped
-            score = tl.where(selected, inf, up)
-            low = 32767 - cols  # descending keys: ties to the lower id
-            least = -2147483648  # below every expert's key (an id field of 0 would need id 32767)
-            key = tl.where(inside, ((score - 0x8000) << 16) | low, least)
-            ranked = tl.sort(key, 0, descending=True)
-            # the R_PAD highest keys, in order: the kept experts first
-            first = tl.sum(tl.where(tl.arange(0, E_PAD // R_PAD)[:, None] == 0,
-                                    tl.reshape(ranked, (E_PAD // R_PAD, R_PAD)), 0), axis=0)
-            rank = tl.arange(0, R_PAD)
-            kept = rank < R
-            ids = 32767 - (first & 0x7FFF)
-            values = tl.load(x_ptr + row * stride + ids, mask=kept, other=0.0)
-            bits = values.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            bits = tl.where(bits == 0x8000, 0, bits)
-            up = tl.where((bits & 0x8000) != 0, bits ^ 0xFFFF, bits | 0x8000)
-            was_inf = tl.where((first >> 16) == inf - 0x8000, 1, 0)  # the score: selected, or a real +inf
-            stored = tl.where(kept, ((up - 0x8000) << 16) | (was_inf << 15) | (first & 0x7FFF), least)
-            ranked = tl.sort(stored, 0, descending=True)
-            ids = 32767 - (ranked & 0x7FFF)
-            values = tl.load(x_ptr + row * stride + ids, mask=kept, other=0.0)
-            tl.store(val_ptr + row * R + rank, values, mask=kept)
-            tl.store(id_ptr + row * R + rank, ids.to(tl.int16), mask=kept)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, E_PAD)
+        inside = cols < E
+        x = tl.load(x_ptr + row * stride + cols, mask=inside, other=0.0)
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = tl.where(bits == 0x8000, 0, bits)  # -0.0 as 0.0
+        # order-preserving: negative values have every bit flipped, the others the sign bit set
+        up = tl.where((bits & 0x8000) != 0, bits ^ 0xFFFF, bits | 0x8000)
+        selected = cols < 0
+        for j in tl.static_range(K):
+            selected = selected | (cols == tl.load(sel_ptr + row * K + j))
+        inf = 0xFC00  # +inf's bits, 0x7C00, mapped
+        score = tl.where(selected, inf, up)
+        low = 32767 - cols  # descending keys: ties to the lower id
+        least = -2147483648  # below every expert's key (an id field of 0 would need id 32767)
+        key = tl.where(inside, ((score - 0x8000) << 16) | low, least)
+        ranked = tl.sort(key, 0, descending=True)
+        # the R_PAD highest keys, in order: the kept experts first
+        first = tl.sum(tl.where(tl.arange(0, E_PAD // R_PAD)[:, None] == 0,
+                                tl.reshape(ranked, (E_PAD // R_PAD, R_PAD)), 0), axis=0)
+        rank = tl.arange(0, R_PAD)
+        kept = rank < R
+        ids = 32767 - (first & 0x7FFF)
+        values = tl.load(x_ptr + row * stride + ids, mask=kept, other=0.0)
+        bits = values.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = tl.where(bits == 0x8000, 0, bits)
+        up = tl.where((bits & 0x8000) != 0, bits ^ 0xFFFF, bits | 0x8000)
+        was_inf = tl.where((first >> 16) == inf - 0x8000, 1, 0)  # the score: selected, or a real +inf
+        stored = tl.where(kept, ((up - 0x8000) << 16) | (was_inf << 15) | (first & 0x7FFF), least)
+        ranked = tl.sort(stored, 0, descending=True)
+        ids = 32767 - (ranked & 0x7FFF)
+        values = tl.load(x_ptr + row * stride + ids, mask=kept, other=0.0)
+        tl.store(val_ptr + row * R + rank, values, mask=kept)
+        tl.store(id_ptr + row * R + rank, ids.to(tl.int16), mask=kept)
 
     return top_r_rows
 
@@ -81,18 +78,11 @@ def uses_kernel(logits: torch.Tensor) -> bool:
             and not _FAILED and _kernel() is not None)
 
 
-def top_r(logits: torch.Tensor, experts: torch.Tensor, r: int, programs: int = 0,
-          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def top_r(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """float16[..., E] logits and int[..., k] selected experts (k may be 0: look-ahead routing) ->
     (float16[..., R] descending, int16[..., R] their ids) by the kernel; None where the kernel
     failed (a warning, once; the caller then selects with sorts). Call only where
-    :func:`uses_kernel`.
-
-    ``programs``: the most programs (thread blocks) the kernel runs, each taking every
-    ``programs``-th row; 0: one per row, the whole GPU at once for as long as it runs (0.75 ms per
-    forward of the small Qwen3-Next shape at batch 16). Fewer programs take longer but leave the
-    rest of the GPU to the model's kernels, which a selection beside the next forward otherwise
-    holds up (docs/CAPTURE.md). The same rows either way."""
+    :func:`uses_kernel`."""
     *lead, E = logits.shape
     k = experts.shape[-1]
     x = logits.reshape(-1, E)
@@ -104,9 +94,8 @@ def top_r(logits: torch.Tensor, experts: torch.Tensor, r: int, programs: int = 0
     if rows:
         e_pad = _next_power_of_2(E)
         try:
-            grid = (min(rows, programs) if programs > 0 else rows,)
-            _kernel()[grid](x, sel, values, ids, rows, E, x.stride(0), r, K=k, E_PAD=e_pad,
-                            R_PAD=_next_power_of_2(r), num_warps=max(1, min(8, e_pad // 128)))
+            _kernel()[(rows,)](x, sel, values, ids, E, x.stride(0), r, K=k, E_PAD=e_pad, R_PAD=_next_power_of_2(r),
+                               num_warps=max(1, min(8, e_pad // 128)))
         except Exception as e:  # noqa: BLE001 - e.g. a GPU or driver Triton cannot compile for
             give_up(_FAILED, "the top-R kernel", "selecting with sorts instead", e)
             return None

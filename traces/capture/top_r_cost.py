@@ -8,13 +8,11 @@ and the format's own definition (``traces.format``) on tie-heavy logits (-0.0, +
 
     python -m traces.capture.top_r_cost --out top_r.json
 
-``--programs 132,528`` also times the kernel in at most that many programs (moe-capture's
-``top_r_programs``): it then takes longer, in a part of the GPU. Medians of ``--repeats`` calls, milliseconds, synchronised after each call on a GPU.
+Medians of ``--repeats`` calls, milliseconds, synchronised after each call on a GPU.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -48,22 +46,17 @@ def float16_sorts(logits: torch.Tensor, experts: torch.Tensor, r: int) -> tuple[
     return top_r_logits(logits, experts, r, kernel=False)
 
 
-def _selections(logits: torch.Tensor, programs: tuple[int, ...] = ()) -> dict:
-    """The selections to time and compare on ``logits``: the kernel only where it runs, also in
-    at most each of ``programs`` programs (``kernel_N``)."""
+def _selections(logits: torch.Tensor) -> dict:
+    """The selections to time and compare on ``logits``: the kernel only where it runs."""
     fns = {"float16": float16_sorts, "float32": float32_scores}
-    if not top_r.uses_kernel(logits):
-        return fns
-    capped = {f"kernel_{n}": functools.partial(top_r_logits, programs=n) for n in programs}
-    return {"kernel": top_r_logits, **capped, **fns}
+    return {"kernel": top_r_logits, **fns} if top_r.uses_kernel(logits) else fns
 
 
 def _same(a, b) -> bool:
     return bool(torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.int16), b[0].view(torch.int16)))
 
 
-def _format_agrees(device: str, n: int, L: int, E: int, k: int, r: int, g: torch.Generator,
-                   programs: tuple[int, ...] = ()) -> bool:
+def _format_agrees(device: str, n: int, L: int, E: int, k: int, r: int, g: torch.Generator) -> bool:
     """Every selection of :func:`_selections` on tie-heavy logits equals traces.format's numpy one."""
     tied = torch.tensor(TIED, dtype=torch.float16, device=device)
     logits = tied[torch.randint(0, len(TIED), (n, L, E), device=device, generator=g)]
@@ -73,7 +66,7 @@ def _format_agrees(device: str, n: int, L: int, E: int, k: int, r: int, g: torch
     want = _stored_logits(meta, logits.cpu().numpy(), experts.cpu().numpy())
     return all(bool((ids.cpu().numpy() == want["logit_ids"]).all()
                     and (values.cpu().numpy().view("u2") == want["logits"].view("u2")).all())
-               for values, ids in (f(logits, experts, r) for f in _selections(logits, programs).values()))
+               for values, ids in (f(logits, experts, r) for f in _selections(logits).values()))
 
 
 def _median_ms(f, args, repeats: int, cuda: bool) -> float:
@@ -91,10 +84,9 @@ def _median_ms(f, args, repeats: int, cuda: bool) -> float:
     return 1e3 * statistics.median(times)
 
 
-def measure(device: str, repeats: int, shapes=SHAPES, programs: tuple[int, ...] = ()) -> dict:
-    """The selections timed and compared on each of ``shapes`` (SHAPES' rows), the kernel also in
-    at most each of ``programs`` programs (``kernel_N_ms``); ``kernel_ms`` is None where the kernel
-    does not run (no GPU, or no Triton)."""
+def measure(device: str, repeats: int, shapes=SHAPES) -> dict:
+    """The selections timed and compared on each of ``shapes`` (SHAPES' rows); ``kernel_ms`` is
+    None where the kernel does not run (no GPU, or no Triton)."""
     cuda = device == "cuda"
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "shapes": []}
     for name, n, L, E, k, r in shapes:
@@ -103,16 +95,15 @@ def measure(device: str, repeats: int, shapes=SHAPES, programs: tuple[int, ...] 
         logits[..., ::7] = torch.round(logits[..., ::7])  # ties, -0.0 among them
         experts = logits.float().topk(k, dim=-1).indices
         args = (logits, experts, r)
-        fns = _selections(logits, programs)
+        fns = _selections(logits)
         first, *rest = (f(*args) for f in fns.values())
         row = {"shape": name, "tokens": n, "layers": L, "experts": E, "top_k": k, "R": r,
                "equal": all(_same(first, other) for other in rest),
-               "format_equal": _format_agrees(device, min(n, 1024), L, E, k, r, g, programs),
+               "format_equal": _format_agrees(device, min(n, 1024), L, E, k, r, g),
                "kernel_ms": None}
         row.update({f"{key}_ms": _median_ms(f, args, repeats, cuda) for key, f in fns.items()})
         out["shapes"].append(row)
-        kernel = "".join(f"{key.replace('_', ' in ')} {row[key + '_ms']:.3f} ms, " for key in fns
-                         if key.startswith("kernel"))
+        kernel = f"kernel {row['kernel_ms']:.3f} ms, " if row["kernel_ms"] is not None else ""
         print(f"{name}: {kernel}sorts on float16 scores {row['float16_ms']:.3f} ms, float32 "
               f"{row['float32_ms']:.3f} ms; equal {row['equal']}, as the format {row['format_equal']}", flush=True)
     return out
@@ -122,8 +113,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m traces.capture.top_r_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto", help="auto (cuda when available) | cuda | cpu")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--programs", default="",
-                    help="also time the kernel in at most this many programs, comma-separated (top_r_programs)")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.device not in ("auto", "cuda", "cpu"):
@@ -132,14 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--device cuda: this torch sees no CUDA device; use --device cpu or auto")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: calls must be at least 1")
-    try:
-        programs = tuple(int(x) for x in args.programs.split(",") if x)
-    except ValueError:
-        programs = (0,)
-    if any(n < 1 for n in programs):
-        ap.error(f"--programs {args.programs}: give whole numbers >= 1, comma-separated")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    fig = measure(device, args.repeats, programs=programs)
+    fig = measure(device, args.repeats)
     if args.out:
         atomic_write_text(args.out, json.dumps(fig, indent=1) + "\n")
 
