@@ -767,7 +767,7 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         # the overhead is the time ratio of the two rates (each rounded to a whole token/s)
         fwd, cap = r["forward_tokens_per_s"], r["capture_tokens_per_s"]
         assert (fwd - 0.5) / (cap + 0.5) - 1e-3 <= 1 + r["capture_overhead_pct"] / 100 <= (fwd + 0.5) / (cap - 0.5) + 1e-3
-        assert 0 <= r["writer_wait_pct"] <= 100
+        assert 0 <= r["writer_wait_pct"] <= 100 and 0 <= r["lend_wait_pct"] <= 100
         # one round: the by-round overhead is that round's ratio (its times rounded to 1 ms)
         (c,), (f,) = r["rounds_s"]["capture"], r["rounds_s"]["forward"]
         assert (c - 5e-4) / (f + 5e-4) - 1e-3 <= 1 + r["capture_overhead_by_round_pct"] / 100 <= (c + 5e-4) / (f - 5e-4) + 1e-3

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -644,9 +645,11 @@ def test_a_producer_ahead_of_the_joiner_waits_in_block_within_the_bound(tmp_path
     thread.join(1.0)
     assert thread.is_alive()  # waiting for the joiner: no slab is freed before it answers
     assert len(lent) <= most_slabs_lent(7, 1, 10)
+    time.sleep(0.5)
     answer.set()
     thread.join(120)
     assert not thread.is_alive() and errors == []
+    assert 0.5 <= writer.lend_wait_s < 120  # block's wait counted, from before the sleep to the answer
     assert peak[0] <= lent_bound(7, 1)
     assert 1 < len(lent) <= most_slabs_lent(7, 1, 10) and lent <= set(W._FREE_SLABS)
     assert recorded_content_hash(path) == recorded_content_hash(tmp_path / "one.parquet") is not None

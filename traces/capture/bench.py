@@ -167,8 +167,10 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         return capture_windows(model, sites, windows, recording(*rec), lambda rows: None, logits_are_probs=probs)
 
     # per variant and capture pass: the loop's end to the file closed, the start to the writer open
-    # (its fixed cost), the writer's tokens per row group
+    # (its fixed cost), the writer's tokens per row group, the seconds the loop waited for shared
+    # memory to lend (the writer's bound on the rows it holds)
     closes: dict[tuple, list[float]] = {v: [] for v in variants}
+    lending: dict[tuple, list[float]] = {v: [] for v in variants}
     opens: dict[tuple, list[float]] = {v: [] for v in variants}
     units: dict[tuple, list[int]] = {v: [] for v in variants}
 
@@ -186,6 +188,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
                                         lambda rows: w.write(**rows.columns()), logits_are_probs=probs,
                                         block=w.block if cfg.shared_rows else None)
                 end = time.perf_counter()
+                lending[writer, *rec].append(getattr(w, "lend_wait_s", 0.0))
             closed = time.perf_counter()
             closes[writer, *rec].append(closed - end)
         return Timed(closed - start, stats)
@@ -197,8 +200,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
         t, last, rounds, cpu = _timed_rounds(modes, repeats, alternate=True,
                                              enough=_narrow_enough(ci_width, [_mode(*v) for v in variants]),
                                              deadline=deadline)
-    return [_overhead(cfg, v, tokens, t, rounds, cpu, last[_mode(*v)], units[v], closes[v], opens[v], cpu_of_model)
-            for v in variants]
+    return [_overhead(cfg, v, tokens, t, rounds, cpu, last[_mode(*v)], units[v], closes[v], opens[v], lending[v],
+                      cpu_of_model) for v in variants]
 
 
 MIN_ROUNDS = 5  # rounds before an interval may end the measurement (fewer resample too coarsely)
@@ -241,7 +244,8 @@ def _hooks_mode(*rec) -> str:
 
 
 def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: int, t: dict, rounds: dict,
-              cpu: dict, stats: dict, units: list[int], closes: list[float], opens: list[float], cpu_of_model) -> dict:
+              cpu: dict, stats: dict, units: list[int], closes: list[float], opens: list[float], lending: list[float],
+              cpu_of_model) -> dict:
     """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel,
     record_block_tokens), its modes named ``hooks`` and ``capture``."""
     writer, stream, kernel, block = variant
@@ -287,6 +291,8 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: i
         "close_s": round(close, 3),
         "open_s": round(opened, 3),  # the start to the writer open (metadata, threads, encoders)
         "writer_wait_pct": round(100 * stats["blocked_s"] / t_cap, 1),  # of the last capture pass
+        # the loop waiting to lend shared memory for rows (the writer's bound), median of the passes
+        "lend_wait_pct": round(100 * statistics.median(lending[1:]) / t_cap, 1),
         "rounds_s": {name: [round(x, 3) for x in times] for name, times in rounds.items()},
         # CPU seconds of the measuring process per pass (medians): its main thread, which drives
         # the model, its other threads (the drain, the writer's) and its descendant processes
@@ -382,6 +388,8 @@ def overhead_table(bench: dict) -> list[str]:
     ]
     for r in bench["runs"]:
         wait = f"{r['writer_wait_pct']:.1f} %" if "writer_wait_pct" in r else "n/a"
+        if "lend_wait_pct" in r:
+            wait += f" (+ {r['lend_wait_pct']:.1f} % to lend)"
         loop = (f"{r['capture_loop_overhead_pct']:+.1f} % ({r['close_s']:.2f})"
                 if "capture_loop_overhead_pct" in r else "n/a")
         encoders = f"{r['writers']} {r.get('writer', 'threads')}" if "writers" in r else "1 thread"
@@ -526,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; 95 % intervals "
                   f"{_span(r['capture_overhead_ci95_pct'])} and {_span(r['capture_overhead_by_round_ci95_pct'])}; "
                   f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
-                  f"writer open {r['open_s']:.3f} s); CPU s per pass, main thread / other threads / child processes: "
+                  f"writer open {r['open_s']:.3f} s, waited to lend {r['lend_wait_pct']:.1f} %); CPU s per pass, main thread / other threads / child processes: "
                   + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f} / {v['child_processes']:.2f}"
                               for k, v in r["cpu_s"].items()),
                   flush=True)

@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -257,7 +258,9 @@ class BoundedLending:
     (:meth:`ParallelTraceWriter.block`, :meth:`~traces.capture.dispatch.DispatchedTraceWriter.block`),
     initialised once their ``unit_tokens`` and ``workers`` are set: about
     :data:`LENT_UNITS_PER_WORKER` units per encoder. ``_lent_tokens`` counts the tokens of the
-    slabs lent; ``_cond`` is notified when some are given back, or on an error (``_error``)."""
+    slabs lent; ``_cond`` is notified when some are given back, or on an error (``_error``).
+    ``lend_wait_s``: the seconds :meth:`_wait_to_lend` has waited so far (the producer held up by
+    the bound)."""
 
     unit_tokens: int
     workers: int
@@ -268,6 +271,7 @@ class BoundedLending:
         self._max_block = 0  # the most tokens of one block so far
         self._cond = threading.Condition(threading.RLock())
         self._error: BaseException | None = None
+        self.lend_wait_s = 0.0
 
     def _wait_to_lend(self, tokens: int) -> None:
         """Wait while lending ``tokens`` more would pass the bound; re-raises the writer's error."""
@@ -276,9 +280,13 @@ class BoundedLending:
             # the writer keeps the tokens after its last whole unit (< unit_tokens, in the last
             # blocks, at most unit_tokens + a block's) until more come: wait only while some slab
             # lies wholly before them, so that one is given back without more rows
+            began = None
             while (self._lent_tokens + tokens > self._max_lent and self._error is None
                    and self._lent_tokens >= self.unit_tokens + self._max_block):
+                began = began or time.perf_counter()
                 self._cond.wait()
+            if began:
+                self.lend_wait_s += time.perf_counter() - began
             self._raise_error()
 
     def _raise_error(self) -> None:
