@@ -1063,22 +1063,27 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     assert bad.returncode != 0 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in batch_size (1, 16); pool runs of '
                                                'one setting only']
+    def with_setting(key, as_before, other, names):
+        """Two copies of a.json with ``key`` set: to what results without it ran (pooled with b.json,
+        which lacks it) and to ``other`` (refused with b.json); the first's pooled output, the
+        second's error lines and its own row."""
+        run = json.loads((tmp_path / "a.json").read_text())
+        for name, value in zip(names, (as_before, other), strict=True):
+            run["runs"][0][key] = value
+            (tmp_path / name).write_text(json.dumps(run))
+        ok, bad = (subprocess.run(tool + [str(tmp_path / name), result("b.json", 16, 1.15)], capture_output=True,
+                                  text=True, env=env) for name in names)
+        row = subprocess.run(tool[:-1] + [str(tmp_path / names[1])], capture_output=True, text=True, env=env,
+                             check=True).stdout.splitlines()[-1]
+        return ok.stdout, bad.stderr.strip().splitlines(), row
+
     # results saved before record_block_tokens existed ran every forward alone: they pool with
     # block 0 and not with blocks, which the rows name
-    held = json.loads((tmp_path / "a.json").read_text())
-    for name, block in (("alone.json", 0), ("held.json", 32768)):
-        held["runs"][0]["record_block_tokens"] = block
-        (tmp_path / name).write_text(json.dumps(held))
-    ok = subprocess.run(tool + [str(tmp_path / "alone.json"), result("b.json", 16, 1.15)], capture_output=True,
-                        text=True, env=env, check=True).stdout
+    ok, bad, row = with_setting("record_block_tokens", 0, 32768, ("alone.json", "held.json"))
     assert "pooled: 2 runs" in ok and "blocks" not in ok
-    bad = subprocess.run(tool + [str(tmp_path / "held.json"), result("b.json", 16, 1.15)], capture_output=True,
-                         text=True, env=env)
-    assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in record_block_tokens (0, 32768); '
-                                               'pool runs of one setting only']
-    row = subprocess.run(tool[:-1] + [str(tmp_path / "held.json")], capture_output=True, text=True, env=env,
-                         check=True).stdout.splitlines()[-1]
+    assert bad == ['error: --pooled: the runs differ in record_block_tokens (0, 32768); pool runs of one setting only']
     assert "dispatcher, forwards held in blocks of 32,768 tokens |" in row
+    held = json.loads((tmp_path / "held.json").read_text())
     # a run whose setting held no two forwards (each forward larger than half a block) ran them alone
     held["runs"][0]["record_block_forwards"] = 1
     (tmp_path / "none_held.json").write_text(json.dumps(held))
@@ -1108,19 +1113,9 @@ def test_pooled_overhead_is_the_mean_of_the_runs_with_an_interval_over_runs_and_
     assert "rounds_s: forward, hooks and capture need one time each per round" in bad.stderr
     # the top-R kernel in fewer programs (run 1207q, the setting since removed): not pooled with
     # the default, which results without the field ran; named in its row
-    capped = json.loads((tmp_path / "a.json").read_text())
-    for name, programs in (("one_per_row.json", 0), ("capped.json", 132)):
-        capped["runs"][0]["top_r_programs"] = programs
-        (tmp_path / name).write_text(json.dumps(capped))
-    ok = subprocess.run(tool + [str(tmp_path / "one_per_row.json"), result("b.json", 16, 1.15)], capture_output=True,
-                        text=True, env=env, check=True).stdout
+    ok, bad, row = with_setting("top_r_programs", 0, 132, ("one_per_row.json", "capped.json"))
     assert "pooled: 2 runs" in ok
-    bad = subprocess.run(tool + [str(tmp_path / "capped.json"), result("b.json", 16, 1.15)], capture_output=True,
-                         text=True, env=env)
-    assert bad.stderr.strip().splitlines() == ['error: --pooled: the runs differ in top_r_programs (0, 132); '
-                                               'pool runs of one setting only']
-    row = subprocess.run(tool[:-1] + [str(tmp_path / "capped.json")], capture_output=True, text=True, env=env,
-                         check=True).stdout.splitlines()[-1]
+    assert bad == ['error: --pooled: the runs differ in top_r_programs (0, 132); pool runs of one setting only']
     assert "dispatcher, top-R kernel in at most 132 programs |" in row
 
 
