@@ -534,7 +534,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['capture_overhead_by_round_pct']:+.1f} % in the median round; 95 % intervals "
                   f"{_span(r['capture_overhead_ci95_pct'])} and {_span(r['capture_overhead_by_round_ci95_pct'])}; "
                   f"{r['capture_loop_overhead_pct']:+.1f} % without the close of {r['close_s']:.2f} s; "
-                  f"writer open {r['open_s']:.3f} s, waited to lend {r['lend_wait_pct']:.1f} %); CPU s per pass, main thread / other threads / child processes: "
+                  f"writer open {r['open_s']:.3f} s, waited to lend {r['lend_wait_pct']:.1f} %); "
+                  "CPU s per pass, main thread / other threads / child processes: "
                   + ", ".join(f"{k} {v['main_thread']:.2f} / {v['other_threads']:.2f} / {v['child_processes']:.2f}"
                               for k, v in r["cpu_s"].items()),
                   flush=True)
