@@ -456,6 +456,8 @@ def test_run_capture_writes_a_trace_and_refuses_to_overwrite(tmp_path):
         C.open_writer = real_open
     assert stats["tokens"] == 200 + 95 and stats["layers"] == 2
     assert expected == [stats["tokens"]]  # the writer knows which write is the last
+    # the loop's waits for the writer, on its queue and to lend memory: parts of the capture's time
+    assert 0 <= stats["blocked_s"] + stats["lend_wait_s"] <= stats["seconds"] and stats["lend_wait_s"] >= 0
     trace = open_trace(cfg.out)
     assert trace.meta.layer_ids == [1, 2] and trace.meta.domains == ["prose", "code"]
     assert trace.meta.has_logits and trace.meta.source == "capture"

@@ -12,7 +12,8 @@ stores (top R with ids, as ``traces.format`` would select them on the host), the
 the sink's shared memory (``shared_rows``, registered with CUDA), or else into pinned host memory; a drain thread hands each batch to the sink, by default a
 :class:`~traces.capture.writer.ParallelTraceWriter` whose encoder processes read the rows where
 the device wrote them and encode row groups in parallel. The GPU runs the next forwards meanwhile; only a sink slower than the model makes
-the loop wait (``blocked_s`` in the summary).
+the loop wait: on the drain's queue (``blocked_s`` in the summary), or for shared memory to lend
+while the writer holds as many rows as it may (``lend_wait_s``).
 """
 from __future__ import annotations
 
@@ -793,6 +794,7 @@ def run_capture(cfg: CaptureConfig, out: Path | None = None) -> dict:
         seconds=seconds,
         tokens_per_s=stats["tokens"] / max(seconds, 1e-9),
         writers=writer.workers,
+        lend_wait_s=getattr(writer, "lend_wait_s", 0.0),  # a writer without shared memory lends none
         path=str(out),
         bytes=out.stat().st_size,
         sequences=len(windows),
