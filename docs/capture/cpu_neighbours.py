@@ -87,18 +87,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: timings per CPU must be at least 1")
     allowed = sorted(os.sched_getaffinity(0))
     me, others = allowed[-1], allowed[:-1]
     os.sched_setaffinity(0, {me})
-    works = {"python": _python_work}
+    works, gpu = {"python": _python_work}, None
     try:
         import torch
 
         if torch.cuda.is_available():
-            works["launches"] = _launch_work()
+            works["launches"], gpu = _launch_work(), torch.cuda.get_device_name()
     except ImportError:
         pass
-    out = {"cpu": me, "others": others, "alone_s": {k: round(statistics.median(w() for _ in range(5)), 4)
+    out = {"gpu": gpu, "cpus": os.cpu_count(), "cpu": me, "others": others, "alone_s": {k: round(statistics.median(w() for _ in range(5)), 4)
                                                     for k, w in works.items()}, "single": {}, "many": {}}
     for kind in ("compute", "memory"):
         for name, work in works.items():
@@ -107,9 +109,11 @@ def main() -> None:
                                              for n in (4, 8, len(others))}
             print(kind, name, "single:", out["single"][f"{kind}/{name}"], "many:", out["many"][f"{kind}/{name}"],
                   flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "cpu_neighbours.json"), "w") as f:
+    if os.environ.get("OUT"):  # whole or not at all: written beside, then renamed
+        path = os.path.join(os.environ["OUT"], "cpu_neighbours.json")
+        with open(path + ".part", "w") as f:
             json.dump(out, f, indent=1)
+        os.replace(path + ".part", path)
 
 
 if __name__ == "__main__":
