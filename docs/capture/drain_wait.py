@@ -30,6 +30,8 @@ from traces.atomic import atomic_write_text
 from traces.capture import capture as capture_module
 from traces.capture.bench import overhead_interval
 
+if not hasattr(capture_module, "DRAIN_BLOCKING_WAIT"):
+    raise SystemExit("drain_wait.py needs the tree of 810f31f (DRAIN_BLOCKING_WAIT was taken out after run 1207v)")
 s = gpu_passes.setup("docs/capture/drain_wait.py", __doc__, rounds=12)
 
 

@@ -79,10 +79,6 @@ CAPTURE_SWITCH_INTERVAL_S = 0.0005
 # stacked and put in stored form, its copies take a few times that for a moment, as they do for
 # one forward of as many token slots (a forward larger than the bound goes alone).
 RECORD_BLOCK_BYTES = 512 << 20
-# How the drain's thread waits for a block's copies: False, the CUDA runtime's default (it spins on
-# a CPU core while a forward launches kernels from another); True, an event created with
-# cudaEventBlockingSync (the thread sleeps until the device signals). Read at each drain's start.
-DRAIN_BLOCKING_WAIT = False
 
 
 @dataclass
@@ -176,7 +172,6 @@ class _Drain:
         self._block = block
         self._cuda = device.type == "cuda"
         self._side = side
-        self._blocking = DRAIN_BLOCKING_WAIT
         # copies on a stream of their own overlap the next forward instead of queueing behind it
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -269,7 +264,7 @@ class _Drain:
             for k, t in device.items():
                 targets[k].copy_(t, non_blocking=True)
                 t.record_stream(self._stream)  # not reused by the next forward before the copy
-            event = torch.cuda.Event(blocking=self._blocking)
+            event = torch.cuda.Event()
             event.record(self._stream)
         return event
 
