@@ -22,7 +22,7 @@ dropped) and capture (the default writer), each with the code before and after; 
 same way with the capture only.
 
 From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/recording_host_cuts.py [ROUNDS] [TOKENS]``
-(writes DIR/recording_host_cuts.json; ``DEVICE=cpu`` for a dry run).
+(writes DIR/recording_host_cuts.json; ``DEVICE=cpu`` for a dry run; ``BATCH1=0``: batch 16 only).
 """
 import json
 import os
@@ -116,11 +116,13 @@ summary = {"batch 16": summarise(timed16, [("recording, before", "recording, aft
                                            ("capture, before", "capture, after")])}
 print(json.dumps(summary, indent=1), flush=True)
 s1 = s._replace(cfg=replace(s.cfg, batch_size=1), windows=s.windows[:64])
-b1 = {"forward": lambda: gpu_passes.forward(s1),
-      "capture, before": with_code(before, gpu_passes.capture, s1),
-      "capture, after": with_code(after, gpu_passes.capture, s1)}
-timed1 = gpu_passes.timed_rounds(b1, s.args.rounds)
-summary["batch 1"] = summarise(timed1, [("capture, before", "capture, after")])
+timed1 = {}
+if os.environ.get("BATCH1", "1") != "0":
+    b1 = {"forward": lambda: gpu_passes.forward(s1),
+          "capture, before": with_code(before, gpu_passes.capture, s1),
+          "capture, after": with_code(after, gpu_passes.capture, s1)}
+    timed1 = gpu_passes.timed_rounds(b1, s.args.rounds)
+    summary["batch 1"] = summarise(timed1, [("capture, before", "capture, after")])
 gpu = torch.cuda.get_device_name(s.model.device) if s.model.device.type == "cuda" else None
 result = {"model": s.name, "config": gpu_passes.CONFIG, "device": str(s.model.device), "gpu": gpu,
           "cpus": len(os.sched_getaffinity(0)), "tokens": sum(len(w.tokens) for w in s.windows),
@@ -128,4 +130,4 @@ result = {"model": s.name, "config": gpu_passes.CONFIG, "device": str(s.model.de
           "timed_s": round(time.perf_counter() - start, 1), "same_rows": same, "summary": summary,
           "per_forward_s": {"batch 16": timed16, "batch 1": timed1}}
 atomic_write_text(s.out / "recording_host_cuts.json", json.dumps(result) + "\n")
-print(json.dumps(summary["batch 1"], indent=1))
+print(json.dumps(summary.get("batch 1"), indent=1))
