@@ -1226,37 +1226,3 @@ def test_the_writers_auto_unit_is_one_forward_within_1_16_to_1_2_of_a_row_group(
     assert C.batch_tokens(CaptureConfig(batch_size=16, input=InputConfig(window_tokens=300))) == 4800
     assert C.batch_tokens(CaptureConfig(mode="generate", batch_size=4,
                                         generate=GenerateConfig(prompt_tokens=10, new_tokens=20))) == 120
-
-
-class _Event:
-    def __init__(self, done: bool):
-        self.done = done
-
-    def query(self) -> bool:
-        return self.done
-
-
-class _Tensor:
-    def __init__(self):
-        self.marked = []
-
-    def record_stream(self, stream) -> None:
-        self.marked.append(stream)
-
-
-def test_tensors_kept_for_the_drain_go_marked_only_where_their_work_is_not_done():
-    """The block's routing held from the allocator until the next hand-on (capture._Kept): tensors
-    whose event is done go as they are; those whose work is still queued are marked with
-    ``record_stream`` first, so the allocator keeps them until the drain's stream is past them."""
-    from traces.capture.capture import _Kept
-
-    kept, stream = _Kept(), object()
-    done, queued = [_Tensor()], [_Tensor(), _Tensor()]
-    kept.keep(_Event(True), done, stream)
-    kept.keep(_Event(False), queued, stream)
-    assert len(kept) == 2
-    kept.release()
-    assert len(kept) == 0
-    assert done[0].marked == [] and all(t.marked == [stream] for t in queued)
-    kept.release()  # nothing held: nothing marked twice
-    assert all(t.marked == [stream] for t in queued)

@@ -13,7 +13,8 @@ forward. The cut (this tree):
   allocator query an event at each allocation of the next forward until that work is done;
 - the numpy dtypes of the device columns looked up once.
 
-The code before (the tree at a3fe356) is imported from ``before_a3fe356/`` beside this file
+Needs the tree of 8b86823: the cut was taken out again after runs 1207x-z found no gain in the
+capture (docs/CAPTURE.md). The code before (the tree at a3fe356) is imported from ``before_a3fe356/`` beside this file
 (its ``capture.py`` and ``nll.py``, the first importing the second; make it with
 ``make_before.sh``). The check first captures the same windows with both (batch 16, batch 1 in
 blocks, generate mode) and compares the files' content hashes: the rows must be the same. Then
@@ -42,6 +43,8 @@ from traces.capture.bench import overhead_interval
 from traces.capture.config import GenerateConfig
 from traces.format import recorded_content_hash
 
+if not hasattr(after, "_Kept"):
+    raise SystemExit("recording_host_cuts.py needs the tree of 8b86823 (the cut was taken out after runs 1207x-z)")
 s = gpu_passes.setup("docs/capture/recording_host_cuts.py", __doc__, rounds=14)
 CODES = {"before": before, "after": after}
 

@@ -77,7 +77,7 @@ def instrument() -> None:
     capture._routing_parts = timed("stored forms: casts", capture._routing_parts)
     capture.top_r_logits = timed("top-R selection", capture.top_r_logits)
     capture.token_nll = timed("NLL: the rest", capture.token_nll)
-    nll._nll_kernel = timed("NLL: the kernel", nll._nll_kernel)
+    nll.log_sum_exp = timed("NLL: the kernel", nll.log_sum_exp)
     capture._Drain.put = timed("hand to the drain (copies queued)", capture._Drain.put)
     hooks.RouterRecorder.take = timed("take (the hooks' outputs)", hooks.RouterRecorder.take)
     hooks.StepRouting.stacked = classmethod(timed("stacking the routing", hooks.StepRouting.stacked.__func__))

@@ -18,7 +18,6 @@ while the writer holds as many rows as it may (``lend_wait_s``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 import queue
@@ -153,38 +152,6 @@ class Storage:
                    lookahead_top_r=la_r)
 
 
-class _Kept:
-    """Device tensors of the model's stream that work on the drain's stream reads, kept from the
-    allocator until that work is done, without ``record_stream``.
-
-    A tensor marked with ``record_stream`` and freed gives the caching allocator an event to
-    query at every allocation until the stream is past it. A block's stacked routing is freed
-    as the next forward starts, when its top-R selection and copies have only just been queued:
-    at batch 16 the small Qwen3-Next shape's forward allocates thousands of times while they run.
-    Kept here instead, the tensors go at the next :meth:`release` (the next block's hand-on, a
-    forward later) once their event says the work is done; where it is not (a device far
-    behind), they are marked with ``record_stream`` then and go as before.
-    """
-
-    def __init__(self):
-        self._held: list[tuple[object, list[torch.Tensor], torch.cuda.Stream]] = []
-
-    def keep(self, event, tensors: list[torch.Tensor], stream) -> None:
-        """Hold ``tensors`` until ``event`` (recorded on ``stream`` after the work that reads them)."""
-        self._held.append((event, tensors, stream))
-
-    def release(self) -> None:
-        """Let every held tensor go: at once where its event is done, through ``record_stream`` otherwise."""
-        for event, tensors, stream in self._held:
-            if not event.query():
-                for t in tensors:
-                    t.record_stream(stream)
-        self._held.clear()
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-
 class _Drain:
     """Moves recorded device tensors to the host and into the sink on a thread of its own.
 
@@ -207,11 +174,8 @@ class _Drain:
         self._side = side
         # copies on a stream of their own overlap the next forward instead of queueing behind it
         self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._main = torch.cuda.current_stream(device) if self._cuda else None  # the model's
-        self._beside = False  # inside :meth:`beside`: the drain's stream is the current one
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
-        self._kept = _Kept()
         self.blocked_s = 0.0
         self._thread = threading.Thread(target=self._run, name="trace-drain", daemon=True)
         self._thread.start()
@@ -234,7 +198,7 @@ class _Drain:
                 self._error = e
 
     @contextlib.contextmanager
-    def beside(self, *inputs: torch.Tensor | None, keep: bool = False):
+    def beside(self, *inputs: torch.Tensor | None):
         """Run the device work issued inside on the drain's stream, after what the model's stream
         has queued so far: a block's top-R selection and NLL (in generate mode also the stacking
         of its steps) then run beside the next forward instead of ahead of it (that work is
@@ -242,46 +206,30 @@ class _Drain:
         from pageable memory waits for its stream).
 
         ``inputs``: the model's tensors that work reads (router outputs, LM logits, input ids),
-        kept from the allocator until the drain's stream is past them: marked with
-        ``record_stream``, or with ``keep`` held until :meth:`release` (:class:`_Kept`). Without
-        ``side`` or a GPU, the work stays where it is.
+        kept from the allocator until the drain's stream is past them. Without ``side`` or a GPU,
+        the work stays where it is.
         """
         if not (self._cuda and self._side):
             yield
             return
-        self._stream.wait_stream(self._main)
-        held = [t for t in inputs if t is not None]
-        if not keep:
-            for t in held:
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        for t in inputs:
+            if t is not None:
                 t.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
-            self._beside = True
-            try:
-                yield
-            finally:
-                self._beside = False
-            if keep:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                self._kept.keep(event, held, self._stream)
+            yield
 
-    def release(self) -> None:
-        """Let go of the tensors held since the last call (:meth:`beside` and :meth:`put` with
-        ``keep``): call once the work queued then is likely done (the next block's hand-on)."""
-        self._kept.release()
-
-    def put(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor], keep: bool = False) -> None:
-        """Queue one block of rows: host arrays as they are, device tensors copied asynchronously
-        (``keep``: the tensors held until :meth:`release` rather than marked, as :meth:`beside`)."""
+    def put(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]) -> None:
+        """Queue one block of rows: host arrays as they are, device tensors copied asynchronously."""
         if self._error is not None:
             raise self._error
         views = self._lend(host, device)
         if views is not None:  # every column in the sink's shared memory
             host, copies = {}, views
-            event = self._copy(device, {k: torch.from_numpy(views[k]) for k in device}, keep)
+            event = self._copy(device, {k: torch.from_numpy(views[k]) for k in device})
         elif self._cuda:
             copies = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in device.items()}  # cached by torch
-            event = self._copy(device, copies, keep)
+            event = self._copy(device, copies)
         else:
             copies, event = {k: t.detach().cpu() for k, t in device.items()}, None
         start = time.perf_counter()
@@ -304,39 +252,30 @@ class _Drain:
             block.views[k][...] = v
         return block.views
 
-    def _copy(self, device: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], keep: bool = False):
+    def _copy(self, device: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]):
         """Copy each device tensor into its host target: on a GPU asynchronously, on the drain's
         stream (returns the event that marks the end), else at once (returns None)."""
         if not self._cuda:
             for k, t in device.items():
                 targets[k].copy_(t)
             return None
-        if self._beside:  # queued after the block's device work, on its stream
-            switch = contextlib.nullcontext()
-        else:
-            self._stream.wait_stream(self._main)
-            switch = torch.cuda.stream(self._stream)
-        with switch:
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
             for k, t in device.items():
                 targets[k].copy_(t, non_blocking=True)
-                if not keep:
-                    t.record_stream(self._stream)  # not reused by the next forward before the copy
+                t.record_stream(self._stream)  # not reused by the next forward before the copy
             event = torch.cuda.Event()
             event.record(self._stream)
-        if keep:
-            self._kept.keep(event, list(device.values()), self._stream)
         return event
 
     def close(self) -> None:
         """Wait until everything queued is written; re-raise a writer error."""
         self._queue.put(None)
         self._thread.join()
-        self._kept.release()
         if self._error is not None:
             raise self._error
 
 
-@functools.cache
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty((), dtype=dtype).numpy().dtype
 
@@ -515,55 +454,41 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
         B, S = ids.shape
         out = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
         raw = recorder.take(B * S)
+        with drain.beside(out.logits, input_ids):
+            nll = token_nll(out.logits, input_ids).reshape(-1)
+        held.append(_Forward(batch, lengths, S, raw, nll))
         on_tokens(int(lengths.sum()))
         nbytes = raw.nbytes()
         slots_held, bytes_held = slots_held + B * S, bytes_held + nbytes
         # hand on unless the next forward fits: in the slots, in the slots of the forwards after
         # it, and in the bytes (a slot's router outputs are the same size in every forward)
         more = slots_held + slots_of[i + 1]
-        hand_on = i + 1 == len(todo) or more > min(block_tokens, after[i + 1]) or \
-            bytes_held + nbytes // (B * S) * slots_of[i + 1] > block_bytes
-        if hand_on and not held:  # a forward alone: its NLL in the block's device work
-            _hand_on([_Forward(batch, lengths, S, raw, None)], prefill_tokens, drain, stored, device,
-                     (out.logits, input_ids))
-            most, slots_held, bytes_held = max(most, 1), 0, 0
-            continue
-        with drain.beside(out.logits, input_ids):
-            nll = token_nll(out.logits, input_ids).reshape(-1)
-        held.append(_Forward(batch, lengths, S, raw, nll))
-        if hand_on:
+        if i + 1 == len(todo) or more > min(block_tokens, after[i + 1]) or \
+                bytes_held + nbytes // (B * S) * slots_of[i + 1] > block_bytes:
             _hand_on(held, prefill_tokens, drain, stored, device)
             most = max(most, len(held))
             held, slots_held, bytes_held = [], 0, 0
     return most
 
 
-def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device, lm: tuple | None = None) -> None:
+def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -> None:
     """Stack the routing of the forwards ``held`` on the model's stream, put it in stored form on
-    the drain's stream (:meth:`_Drain.beside`) and queue it there with the host columns to the
-    drain (copies included): one switch to that stream per block. ``lm``: (LM logits, input ids)
-    of the one forward held, whose NLL (None in ``held``) is then taken there too.
+    the drain's stream (:meth:`_Drain.beside`), then queue it with the host columns to the drain.
 
     The stack stays on the model's stream: there the layers' router outputs go back to that
     stream's memory pool once stacked, ready for the next forward. Stacked on the drain's stream
     (69c763c), each one is held from the allocator until that stream is past it; two runs at
     batch 16 then gave +11.8 % and +18.0 %, twenty with the stack here +11.8 % pooled
-    (docs/CAPTURE.md, runs 1207a-l).
-
-    What the block's device work reads is held until the next block's hand-on (:class:`_Kept`)
-    rather than marked with ``record_stream``: the LM logits would live that long anyway (the
-    loop's ``out`` holds them through the next forward)."""
-    drain.release()  # the last block's: its device work has had a forward's time
+    (docs/CAPTURE.md, runs 1207a-l)."""
     routing = StepRouting.stacked([f.raw for f in held])
     slots_np = _real_slots(held)
     slots = None if slots_np is None else torch.from_numpy(slots_np).to(device)
-    windows = [w for f in held for w in f.windows]
-    host = _host_columns(windows, np.concatenate([f.lengths for f in held]), prefill_tokens)
-    with drain.beside(*routing.tensors(), slots, *(lm or ()), keep=True):
-        nlls = [token_nll(*lm).reshape(-1)] if lm else [f.nll for f in held]
+    nlls = [f.nll for f in held]
+    with drain.beside(*routing.tensors(), slots):
         dev = stored(routing, slots)
         dev["nll"] = _real(torch.cat(nlls) if len(nlls) > 1 else nlls[0], slots)
-        drain.put(host, dev, keep=True)
+    windows = [w for f in held for w in f.windows]
+    drain.put(_host_columns(windows, np.concatenate([f.lengths for f in held]), prefill_tokens), dev)
 
 
 def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:

@@ -4,11 +4,8 @@ A forward of 16 windows of 512 tokens through a model with a 151,936-token vocab
 2.5 GB of bfloat16 logits. ``log_softmax`` over them writes a float32 copy (5 GB) to read back
 one value per row: on an H200 it cost 8.6 ms per such forward, 3 % of the forward itself. The
 NLL needs only each row's log-sum-exp and the target's logit; on CUDA, when Triton is installed
-(it comes with CUDA builds of torch), one kernel reads every row once, accumulating in float32
-with an online maximum, and writes each token's NLL (the log-sum-exp less the target's logit, in
-float32; NaN at a window's first token): one launch per forward, where the log-sum-exp kernel
-and the gather, cast and subtraction after it took six (the same values). Elsewhere
-``log_softmax`` in float32 does it, a few windows at a time.
+(it comes with CUDA builds of torch), a kernel reads every row once, accumulating in float32 with
+an online maximum. Elsewhere ``log_softmax`` in float32 does it, a few windows at a time.
 """
 from __future__ import annotations
 
@@ -22,40 +19,51 @@ LSE_BLOCK = 2048  # logits one kernel program reads per iteration (a row is read
 
 @triton_kernel
 def _kernel(triton, tl):
-    """The Triton NLL kernel, or None when Triton is not installed."""
+    """The Triton log-sum-exp kernel, or None when Triton is not installed."""
     @triton.jit
-    def nll_rows(x_ptr, ids_ptr, out_ptr, S, cols, stride, BLOCK: tl.constexpr):
-        """Token slot r = b * S + s: log-sum-exp of row r - 1 less its logit of token ids[r]; NaN at s = 0."""
-        r = tl.program_id(0).to(tl.int64)
-        if r % S == 0:
-            # float32 NaN with torch's bits (torch.full(..., nan)): 0x7FC00000
-            tl.store(out_ptr + r, tl.full([], 2143289344, tl.int32).to(tl.float32, bitcast=True))
-        else:
-            base = x_ptr + (r - 1) * stride
-            # per lane: running maximum and sum of exp(x - maximum); finite start, so masked lanes
-            # (-inf) add exp(-inf) = 0 instead of NaN
-            m = tl.full([BLOCK], -3.0e38, tl.float32)
-            s = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, cols, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                x = tl.load(base + idx, mask=idx < cols, other=float("-inf")).to(tl.float32)
-                m_new = tl.maximum(m, x)
-                s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-                m = m_new
-            top = tl.max(m, axis=0)
-            total = tl.sum(s * tl.exp(m - top), axis=0)
-            target = tl.load(base + tl.load(ids_ptr + r)).to(tl.float32)
-            tl.store(out_ptr + r, top + tl.log(total) - target)
+    def lse_rows(x_ptr, out_ptr, cols, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride
+        # per lane: running maximum and sum of exp(x - maximum); finite start, so masked lanes
+        # (-inf) add exp(-inf) = 0 instead of NaN
+        m = tl.full([BLOCK], -3.0e38, tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, cols, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            x = tl.load(base + idx, mask=idx < cols, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+            m = m_new
+        top = tl.max(m, axis=0)
+        total = tl.sum(s * tl.exp(m - top), axis=0)
+        tl.store(out_ptr + row, top + tl.log(total))
 
-    return nll_rows
+    return lse_rows
 
 
 _FAILED: list[str] = []  # the kernel's first error on this host: then never tried again
 
 
 def uses_kernel(x: torch.Tensor) -> bool:
-    """Whether :func:`token_nll` of LM logits ``x`` runs the one-pass kernel."""
+    """Whether :func:`log_sum_exp` of ``x`` runs the one-pass kernel."""
     return x.is_cuda and not _FAILED and _kernel() is not None
+
+
+def log_sum_exp(x: torch.Tensor) -> torch.Tensor:
+    """float32[N]: log(sum(exp(x[i]))) of each row of ``x`` [N, V] (any float dtype): the one-pass
+    kernel where :func:`uses_kernel`, else ``logsumexp`` of a float32 copy."""
+    if not uses_kernel(x):
+        return torch.logsumexp(x.float(), dim=-1)
+    n, cols = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n:
+        try:
+            _kernel()[(n,)](x, out, cols, x.stride(0), BLOCK=LSE_BLOCK, num_warps=8)
+        except Exception as e:  # noqa: BLE001 - e.g. a GPU or driver Triton cannot compile for
+            give_up(_FAILED, "the one-pass NLL kernel", "using log_softmax instead", e)
+            return torch.logsumexp(x.float(), dim=-1)
+    return out
 
 
 def token_nll(lm_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -65,32 +73,15 @@ def token_nll(lm_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     the kernel: ``log_softmax`` accumulating in float32, a few windows at a time.
     """
     B, S, V = lm_logits.shape
-    if uses_kernel(lm_logits) and S >= 2:
-        out = _nll_kernel(lm_logits, input_ids)
-        if out is not None:
-            return out
     nll = torch.full((B, S), float("nan"), dtype=torch.float32, device=lm_logits.device)
     if S < 2:
+        return nll
+    if uses_kernel(lm_logits):
+        lse = log_sum_exp(lm_logits.reshape(B * S, V)).view(B, S)[:, :-1]
+        nll[:, 1:] = lse - lm_logits[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1).float()
         return nll
     rows = max(1, CHUNK_ELEMENTS // max(1, S * V))
     for b in range(0, B, rows):
         logp = torch.log_softmax(lm_logits[b : b + rows], dim=-1, dtype=torch.float32)
         nll[b : b + rows, 1:] = -logp[:, :-1].gather(-1, input_ids[b : b + rows, 1:, None]).squeeze(-1)
     return nll
-
-
-def _nll_kernel(lm_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """:func:`token_nll` in one launch of the NLL kernel; None where it failed (a warning, once;
-    the caller then takes ``log_softmax``)."""
-    B, S, V = lm_logits.shape
-    x = lm_logits.reshape(B * S, V)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    ids = input_ids.reshape(B * S)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    out = torch.empty(B * S, dtype=torch.float32, device=x.device)
-    try:
-        _kernel()[(B * S,)](x, ids, out, S, V, x.stride(0), BLOCK=LSE_BLOCK, num_warps=8)
-    except Exception as e:  # noqa: BLE001 - e.g. a GPU or driver Triton cannot compile for
-        give_up(_FAILED, "the one-pass NLL kernel", "using log_softmax instead", e)
-        return None
-    return out.view(B, S)
