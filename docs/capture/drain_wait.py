@@ -14,21 +14,19 @@ by forward, every other round reversed (as the bench runs them):
 5. ``capture, blocking wait``: the same with the drain sleeping.
 
 Reports each pass against the forward and, round by round, each blocking pass against its
-spinning one (median ratio, rounds faster, 95 % interval).
+spinning one (median ratio, rounds faster, 95 % interval; ``gpu_passes.summarise``).
 
 From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/drain_wait.py [ROUNDS] [TOKENS]``
 (writes DIR/drain_wait.json; ``DEVICE=cpu`` for a dry run: no events there, so both ways are one).
 """
 import json
 import os
-import statistics
 
 import gpu_passes
 import torch
 
 from traces.atomic import atomic_write_text
 from traces.capture import capture as capture_module
-from traces.capture.bench import overhead_interval
 
 if not hasattr(capture_module, "DRAIN_BLOCKING_WAIT"):
     raise SystemExit("drain_wait.py needs the tree of 810f31f (DRAIN_BLOCKING_WAIT was taken out after run 1207v)")
@@ -53,24 +51,8 @@ passes = {"forward": lambda: gpu_passes.forward(s),
           "capture": waiting(False, gpu_passes.capture),
           "capture, blocking wait": waiting(True, gpu_passes.capture)}
 timed = gpu_passes.timed_rounds(passes, s.args.rounds)
-pass_s = {label: [sum(run) for run in runs] for label, runs in timed.items()}
-base = statistics.median(pass_s["forward"])
-summary = {}
-for label, runs in timed.items():
-    low, high = overhead_interval(pass_s[label], pass_s["forward"])
-    summary[label] = {
-        "pass_s": round(statistics.median(pass_s[label]), 4),
-        "over_forward_pct": round(100 * (statistics.median(pass_s[label]) / base - 1), 2),
-        "over_forward_95pct": [round(low, 2), round(high, 2)],
-        "median_forward_ms": round(1e3 * statistics.median(x for run in runs for x in run[:-1]), 3)}
-for kind in ("recording", "capture"):
-    blocking, spinning = pass_s[f"{kind}, blocking wait"], pass_s[kind]
-    ratios = [b / a for a, b in zip(spinning, blocking, strict=True)]
-    low, high = overhead_interval(blocking, spinning, by_round=True)
-    summary[f"{kind}: blocking against spinning, round by round"] = {
-        "median_ratio": round(statistics.median(ratios), 4),
-        "faster_rounds": sum(r < 1 for r in ratios), "rounds": len(ratios),
-        "median_pct_95pct": [round(low, 2), round(high, 2)]}
+summary = gpu_passes.summarise(timed, (("recording", "recording, blocking wait"),
+                                       ("capture", "capture, blocking wait")))
 gpu = torch.cuda.get_device_name(s.model.device) if s.model.device.type == "cuda" else None
 result = {"model": s.name, "config": gpu_passes.CONFIG, "device": str(s.model.device), "gpu": gpu,
           "cpus": len(os.sched_getaffinity(0)), "batch": s.cfg.batch_size,

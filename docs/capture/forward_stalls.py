@@ -31,7 +31,6 @@ import gpu_passes
 import torch
 
 from traces.atomic import atomic_write_text
-from traces.capture.bench import overhead_interval
 from traces.capture.cores import descendants, isolated
 
 s = gpu_passes.setup("docs/capture/forward_stalls.py", __doc__, rounds=12)
@@ -157,40 +156,25 @@ def per_forward(label):
     return out
 
 
-pass_s = {label: [sum(run) for run in runs] for label, runs in timed.items()}
-base = statistics.median(pass_s["forward"])
 fast = statistics.quantiles([f[0] for f in per_forward("forward")], n=4)[0]  # the forward alone's first quartile
-summary = {}
+summary = gpu_passes.summarise(timed, (("capture", "capture, pinned"), ("capture", "capture, gc frozen")))
 for label in timed:
     rows = per_forward(label)
     slow = [r for r in rows if r[0] > 1.25 * fast]
     rest = [r for r in rows if r[0] <= 1.25 * fast]
 
-    def mean(rs, i):
-        return round(statistics.mean(r[i] for r in rs), 6) if rs else None
+    def mean(rs, i, scale=1.0, digits=6):
+        return round(scale * statistics.mean(r[i] for r in rs), digits) if rs else None
 
-    low, high = overhead_interval(pass_s[label], pass_s["forward"])
-    summary[label] = {
-        "pass_s": round(statistics.median(pass_s[label]), 4),
-        "over_forward_pct": round(100 * (statistics.median(pass_s[label]) / base - 1), 2),
-        "over_forward_95pct": [low, high],
-        "median_forward_ms": round(1e3 * statistics.median(r[0] for r in rows), 3),
+    summary[label].update({
         "forwards": len(rows),
         "slow_forwards (over 1.25x the forward alone's first quartile)": len(slow),
-        "per forward, slow / others: wall ms": [mean(slow, 0) and round(1e3 * mean(slow, 0), 2),
-                                                mean(rest, 0) and round(1e3 * mean(rest, 0), 2)],
-        "thread CPU ms": [mean(slow, 1) and round(1e3 * mean(slow, 1), 2), mean(rest, 1) and round(1e3 * mean(rest, 1), 2)],
+        "per forward, slow / others: wall ms": [mean(slow, 0, 1e3, 2), mean(rest, 0, 1e3, 2)],
+        "thread CPU ms": [mean(slow, 1, 1e3, 2), mean(rest, 1, 1e3, 2)],
         "involuntary switches": [mean(slow, 2), mean(rest, 2)],
         "collections": [mean(slow, 3), mean(rest, 3)],
-        "collection ms": [mean(slow, 4) and round(1e3 * mean(slow, 4), 3), mean(rest, 4) and round(1e3 * mean(rest, 4), 3)],
-        "steal ms (all CPUs)": [mean(slow, 5) and round(1e3 * mean(slow, 5) / TICK, 2),
-                                mean(rest, 5) and round(1e3 * mean(rest, 5) / TICK, 2)]}
-for label in ("capture, pinned", "capture, gc frozen"):
-    ratios = [b / a for a, b in zip(pass_s["capture"], pass_s[label], strict=True)]
-    low, high = overhead_interval(pass_s[label], pass_s["capture"], by_round=True)
-    summary[f"{label} against capture, round by round"] = {
-        "median_ratio": round(statistics.median(ratios), 4), "faster_rounds": sum(r < 1 for r in ratios),
-        "rounds": len(ratios), "median_pct_95pct": [low, high]}
+        "collection ms": [mean(slow, 4, 1e3, 3), mean(rest, 4, 1e3, 3)],
+        "steal ms (all CPUs)": [mean(slow, 5, 1e3 / TICK, 2), mean(rest, 5, 1e3 / TICK, 2)]})
 gpu = torch.cuda.get_device_name(s.model.device) if s.model.device.type == "cuda" else None
 result = {"model": s.name, "config": gpu_passes.CONFIG, "device": str(s.model.device), "gpu": gpu,
           "cpus": len(os.sched_getaffinity(0)), "batch": s.cfg.batch_size,

@@ -3,6 +3,7 @@ Qwen3-Next shape over the repository's text, the capture bench's passes timed fo
 and rounds in turn, every other one reversed, as the bench runs them."""
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -11,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from traces.capture.bench import _sync
+from traces.capture.bench import _sync, overhead_interval
 from traces.capture.capture import (
     batch_tokens,
     batches,
@@ -117,3 +118,25 @@ def timed_rounds(passes: dict, rounds: int) -> dict[str, list[list[float]]]:
             timed[label].append([round(b - a, 6) for a, b in zip(t[:-1], t[1:], strict=True)])
             print(label, r, f"{t[-1] - t[0]:.3f} s", flush=True)
     return timed
+
+
+def summarise(timed: dict[str, list[list[float]]], pairs: tuple[tuple[str, str], ...] = ()) -> dict:
+    """What :func:`timed_rounds` measured, per pass: its median length, its overhead over the
+    ``forward`` pass (the ratio of the medians, with a 95 % bootstrap interval over the rounds),
+    its median forward and its median end; and per ``(old, new)`` in ``pairs``, ``new`` against
+    ``old`` round by round (the median ratio, the rounds it was faster in, a 95 % interval)."""
+    pass_s = {label: [sum(run) for run in runs] for label, runs in timed.items()}
+    base = statistics.median(pass_s["forward"])
+    out = {}
+    for label, runs in timed.items():
+        out[label] = {"pass_s": round(statistics.median(pass_s[label]), 4),
+                      "over_forward_pct": round(100 * (statistics.median(pass_s[label]) / base - 1), 2),
+                      "over_forward_95pct": overhead_interval(pass_s[label], pass_s["forward"]),
+                      "median_forward_ms": round(1e3 * statistics.median(x for run in runs for x in run[:-1]), 3),
+                      "end_ms": round(1e3 * statistics.median(run[-1] for run in runs), 2)}
+    for old, new in pairs:
+        ratios = [b / a for a, b in zip(pass_s[old], pass_s[new], strict=True)]
+        out[f"{new} against {old}, round by round"] = {
+            "median_ratio": round(statistics.median(ratios), 4), "faster_rounds": sum(r < 1 for r in ratios),
+            "rounds": len(ratios), "median_pct_95pct": overhead_interval(pass_s[new], pass_s[old], by_round=True)}
+    return out

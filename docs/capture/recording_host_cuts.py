@@ -27,7 +27,6 @@ From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/recording_h
 """
 import json
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -39,7 +38,6 @@ import torch
 
 from traces.atomic import atomic_write_text
 from traces.capture import capture as after
-from traces.capture.bench import overhead_interval
 from traces.capture.config import GenerateConfig
 from traces.format import recorded_content_hash
 
@@ -89,25 +87,6 @@ def with_code(code, run, setup):
     return timed
 
 
-def summarise(timed: dict, pairs: list[tuple[str, str]]) -> dict:
-    pass_s = {label: [sum(run) for run in runs] for label, runs in timed.items()}
-    base = statistics.median(pass_s["forward"])
-    out = {}
-    for label, runs in timed.items():
-        low, high = overhead_interval(pass_s[label], pass_s["forward"])
-        out[label] = {"pass_s": round(statistics.median(pass_s[label]), 4),
-                      "over_forward_pct": round(100 * (statistics.median(pass_s[label]) / base - 1), 2),
-                      "over_forward_95pct": [low, high],
-                      "median_forward_ms": round(1e3 * statistics.median(x for run in runs for x in run[:-1]), 3)}
-    for old, new in pairs:
-        ratios = [b / a for a, b in zip(pass_s[old], pass_s[new], strict=True)]
-        low, high = overhead_interval(pass_s[new], pass_s[old], by_round=True)
-        out[f"{new} against {old}, round by round"] = {
-            "median_ratio": round(statistics.median(ratios), 4), "faster_rounds": sum(r < 1 for r in ratios),
-            "rounds": len(ratios), "median_pct_95pct": [low, high]}
-    return out
-
-
 start = time.perf_counter()
 b16 = {"forward": lambda: gpu_passes.forward(s),
        "recording, before": with_code(before, gpu_passes.recording, s),
@@ -115,8 +94,8 @@ b16 = {"forward": lambda: gpu_passes.forward(s),
        "capture, before": with_code(before, gpu_passes.capture, s),
        "capture, after": with_code(after, gpu_passes.capture, s)}
 timed16 = gpu_passes.timed_rounds(b16, s.args.rounds)
-summary = {"batch 16": summarise(timed16, [("recording, before", "recording, after"),
-                                           ("capture, before", "capture, after")])}
+summary = {"batch 16": gpu_passes.summarise(timed16, (("recording, before", "recording, after"),
+                                                      ("capture, before", "capture, after")))}
 print(json.dumps(summary, indent=1), flush=True)
 s1 = s._replace(cfg=replace(s.cfg, batch_size=1), windows=s.windows[:64])
 timed1 = {}
@@ -125,7 +104,7 @@ if os.environ.get("BATCH1", "1") != "0":
           "capture, before": with_code(before, gpu_passes.capture, s1),
           "capture, after": with_code(after, gpu_passes.capture, s1)}
     timed1 = gpu_passes.timed_rounds(b1, s.args.rounds)
-    summary["batch 1"] = summarise(timed1, [("capture, before", "capture, after")])
+    summary["batch 1"] = gpu_passes.summarise(timed1, (("capture, before", "capture, after"),))
 gpu = torch.cuda.get_device_name(s.model.device) if s.model.device.type == "cuda" else None
 result = {"model": s.name, "config": gpu_passes.CONFIG, "device": str(s.model.device), "gpu": gpu,
           "cpus": len(os.sched_getaffinity(0)), "tokens": sum(len(w.tokens) for w in s.windows),

@@ -18,7 +18,6 @@ From the repository root: ``OUT=DIR PYTHONPATH=. python docs/capture/recording_p
 docs/capture/recording_parts_1206g.json (docs/CAPTURE.md).
 """
 import json
-import statistics
 import sys
 import time
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from traces.atomic import atomic_write_text
-from traces.capture.bench import _sync, overhead_interval
+from traces.capture.bench import _sync
 from traces.capture.capture import (
     CAPTURE_SWITCH_INTERVAL_S,
     Storage,
@@ -82,17 +81,7 @@ passes = {"forward": lambda: gpu_passes.forward(s), "hooks": lambda: partial(Fal
           "device": lambda: partial(True), "recording": lambda: gpu_passes.recording(s),
           "capture": lambda: gpu_passes.capture(s)}
 timed = gpu_passes.timed_rounds(passes, s.args.rounds)
-pass_s = {label: [sum(run) for run in runs] for label, runs in timed.items()}
-base = statistics.median(pass_s["forward"])
-summary = {}
-for label, runs in timed.items():
-    low, high = overhead_interval(pass_s[label], pass_s["forward"])
-    summary[label] = {
-        "pass_s": round(statistics.median(pass_s[label]), 4),
-        "over_forward_pct": round(100 * (statistics.median(pass_s[label]) / base - 1), 2),
-        "over_forward_95pct": [round(low, 2), round(high, 2)],
-        "median_forward_ms": round(1e3 * statistics.median(x for run in runs for x in run[:-1]), 3),
-        "end_ms": round(1e3 * statistics.median(run[-1] for run in runs), 2)}
+summary = gpu_passes.summarise(timed)
 gpu = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None
 result = {"model": s.name, "config": gpu_passes.CONFIG, "device": str(model.device), "gpu": gpu,
           "batch": cfg.batch_size, "tokens": sum(len(w.tokens) for w in s.windows), "rounds": s.args.rounds,
