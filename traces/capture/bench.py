@@ -188,7 +188,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
                                         lambda rows: w.write(**rows.columns()), logits_are_probs=probs,
                                         block=w.block if cfg.shared_rows else None)
                 end = time.perf_counter()
-                lending[writer, *rec].append(getattr(w, "lend_wait_s", 0.0))
+                lending[writer, *rec].append(w.lend_wait_s)
             closed = time.perf_counter()
             closes[writer, *rec].append(closed - end)
         return Timed(closed - start, stats)
