@@ -3,21 +3,24 @@ resident arrays, host RAM tier and queues consistent with each other and with th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 
 import numpy as np
 import pytest
+from engine_cases import assert_same, random_params, random_trace, run_both, trace
 from engine_cases import params as make_params
-from engine_cases import random_params, random_trace, run_both, trace
 
 from simulator.engine import link as K
+from simulator.engine import simulate, warmup_counts
 from simulator.engine import state as S
 from simulator.engine import structures as D
-from simulator.engine import warmup_counts
 from simulator.engine.kernel import KernelSimulator
 from simulator.engine.nextuse import NextUseFile, after_group
 from simulator.engine.reference import ReferenceSimulator
 from simulator.policies import kernel_needs
 from simulator.policies.eviction import REGISTRY as EVICTIONS
+from simulator.policies.eviction import _lfu_scan as LFU_SCAN
 from traces.format import PHASE_DECODE, slice_chunk
 
 
@@ -59,6 +62,15 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
         assert core.pools[p, S.BYTES] <= core.pools[p, S.BUDGET]
         if isinstance(st, D.Lists):
             assert sorted(_walk(st, p)) == members
+            continue
+        if hasattr(st, "keys"):  # lfu's packed keys (eviction/_lfu_scan.py)
+            off, n = int(sim.layout.pool_offset[p]), int(st.count[p])
+            keys = st.keys[off : off + n]
+            ids = (keys & ((1 << st.id_bits) - 1)).tolist()
+            assert sorted(ids) == members
+            assert all(st.slot[x] == off + i for i, x in enumerate(ids))
+            assert (keys >= 0).all() and (keys < LFU_SCAN.USED).all()
+            assert ((keys >> st.freq_shift) == core.freq[ids].astype(np.int64)).all()  # the count as stored
             continue
         order = st.heap if hasattr(st, "heap") else st.slots
         off, n = int(sim.layout.pool_offset[p]), int(order.count[p])
@@ -114,7 +126,7 @@ def test_kernel_structures_stay_consistent(seed):
         if p.eviction == "belady":
             next_use = stack.enter_context(NextUseFile(source, last_warmup_group))
         first_use = None if next_use is None else next_use.first_use
-        fast = KernelSimulator(p, source.meta, first_use)
+        fast = KernelSimulator(p, source.meta, first_use, num_tokens=source.num_tokens)
         slow = ReferenceSimulator(p, source.meta, first_use)
         if counts is not None:
             fast.warm(counts)
@@ -128,6 +140,70 @@ def test_kernel_structures_stay_consistent(seed):
             slow.run_chunk(part, rows)
             residents = check_kernel_state(fast)
             assert residents == {x for x, r in enumerate(slow.resident) if r}
+
+
+def _lfu_hooks(p, source):
+    from simulator.engine.layout import make_layout
+    from simulator.policies.eviction import lfu
+
+    layout = make_layout(p, source.meta)
+    return lfu.kernel_hooks(p, layout, kernel_needs(p, layout), source.num_tokens)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_lfu_on_packed_keys_gives_the_heaps_results(seed, monkeypatch):
+    """Undecayed, with nothing in the background and small pools, lfu runs on packed keys
+    (_lfu_scan); its results equal the heap's and the reference's, field by field, with every
+    miss rule and action, warm starts, prompts, chunks of any size and pools down to one expert
+    (a trim that must evict a resident the step used)."""
+    rng = np.random.default_rng(5 * 10**6 + seed)
+    source = random_trace(rng)
+    p = random_params(rng, source.meta, eviction="lfu", rule=["fetch_all", "rule015", "substitute_all",
+                                                             "first_choice"][seed % 4])
+    p = dataclasses.replace(p, lfu_decay=1.0, beta=math.inf, prefetch="none", scope="per_layer",
+                            pool_budget_bytes=p.pool_budget_bytes[:1].repeat(source.meta.num_layers))
+    if seed % 3 == 0:  # one expert a pool: the step's used residents are evicted too
+        p = dataclasses.replace(p, pool_budget_bytes=np.full_like(p.pool_budget_bytes, max(p.expert_bytes)))
+    hooks = _lfu_hooks(p, source)
+    assert hooks is not None and hooks[0] is LFU_SCAN
+    chunk_tokens = int(rng.integers(1, 20))
+    scan = run_both(source, p, chunk_tokens=chunk_tokens)  # the reference's results
+    monkeypatch.setattr(LFU_SCAN, "applies", lambda *args: False)
+    assert _lfu_hooks(p, source) is None
+    assert_same(scan, simulate(source, p, chunk_tokens=chunk_tokens))  # the heap's
+
+
+def test_lfu_packed_keys_only_where_they_apply():
+    """The packed keys need the run's length, no decay, nothing arriving in the background,
+    a pool per layer of at most SCAN_MAX_RESIDENTS experts, and keys within 62 bits."""
+    rng = np.random.default_rng(17)
+    source = random_trace(rng, logits=True)
+    p = random_params(rng, source.meta, eviction="lfu", rule="substitute_all")
+    p = dataclasses.replace(p, lfu_decay=1.0, beta=math.inf, prefetch="none", scope="per_layer", miss_action="substitute",
+                            pool_budget_bytes=np.full(source.meta.num_layers, 2 * max(p.expert_bytes)))
+    assert _lfu_hooks(p, source) is not None
+    assert _lfu_hooks(dataclasses.replace(p, lfu_decay=0.9), source) is None
+    assert _lfu_hooks(dataclasses.replace(p, beta=0.5), source) is None  # admits in the background
+    assert _lfu_hooks(dataclasses.replace(p, scope="global", pool_budget_bytes=p.pool_budget_bytes[:1]),
+                      source) is None
+    big = (LFU_SCAN.SCAN_MAX_RESIDENTS + 1) * int(min(p.expert_bytes))
+    assert _lfu_hooks(dataclasses.replace(p, pool_budget_bytes=np.full_like(p.pool_budget_bytes, big)),
+                      source) is None
+    from simulator.engine.layout import make_layout
+
+    layout = make_layout(p, source.meta)
+    assert not LFU_SCAN.applies(p, layout, False, None)  # the length is not known
+    assert LFU_SCAN.key_widths(24576, 48, 2**20) is not None  # a million tokens of Qwen3-Next
+    assert LFU_SCAN.key_widths(24576, 48, 2**24) is None  # 16 M: the keys would not fit
+    assert not LFU_SCAN.applies(p, layout, False, 2**60)
+
+
+def test_a_run_set_up_for_fewer_tokens_refuses_a_longer_chunk():
+    source = random_trace(np.random.default_rng(23))
+    p = make_params(source.meta, eviction="lfu")
+    sim = KernelSimulator(p, source.meta, num_tokens=source.num_tokens - 1)
+    with pytest.raises(RuntimeError, match="at most"):
+        sim.run_chunk(source.chunk)
 
 
 @pytest.mark.parametrize("eviction", list(EVICTIONS))

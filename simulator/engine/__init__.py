@@ -27,9 +27,11 @@ __all__ = ["ENGINES", "simulate", "warmup_counts", "check_params", "check_chunk"
 
 
 def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
-                first_use: np.ndarray | None = None, observer=None, layout: Layout | None = None):
+                first_use: np.ndarray | None = None, observer=None, layout: Layout | None = None,
+                num_tokens: int | None = None):
     """A fresh simulator of ``engine`` for ``params`` on a trace with ``meta`` (``layout``:
-    what :func:`check_params` returned for them, else derived again)."""
+    what :func:`check_params` returned for them, else derived again; ``num_tokens``: the
+    trace's tokens where known, a bound some kernel structures are sized by)."""
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine == "numba":
@@ -37,7 +39,7 @@ def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
             raise InputError("an observer needs engine=reference (the kernel reports no events)")
         from simulator.engine.kernel import KernelSimulator
 
-        return KernelSimulator(params, meta, first_use, layout)
+        return KernelSimulator(params, meta, first_use, layout, num_tokens)
     from simulator.engine.reference import ReferenceSimulator
 
     return ReferenceSimulator(params, meta, first_use, observer, layout)
@@ -93,7 +95,7 @@ def simulate(
         if needs_next_use(params):
             next_use = stack.enter_context(NextUseFile(source, skipped, chunk_tokens))
         sim = make_engine(params, meta, engine, None if next_use is None else next_use.first_use,
-                          observer, layout)
+                          observer, layout, getattr(source, "num_tokens", None))
         if counts is not None:
             sim.warm(counts)
         if training is not None:

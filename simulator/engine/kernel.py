@@ -11,6 +11,7 @@ between chunks.
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
 
 import numpy as np
@@ -430,10 +431,14 @@ class Kernels(NamedTuple):
 
 
 @functools.cache
-def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds) -> Kernels:
+def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds, eviction: str | None = None) -> Kernels:
     """The kernels compiled for one choice of variants (``(family, variant)`` pairs) and what
-    they read (``needs``: simulator.policies.kernel_needs)."""
-    bound = dict(modules(dict(names)), TRACK_FREQUENCY=bool(needs.frequency),
+    they read (``needs``: simulator.policies.kernel_needs); ``eviction``: the module whose hooks
+    stand in for the eviction variant's (its ``kernel_hooks``), None: the variant's own."""
+    chosen_modules = modules(dict(names))
+    if eviction is not None:
+        chosen_modules["eviction"] = importlib.import_module(eviction)
+    bound = dict(chosen_modules, TRACK_FREQUENCY=bool(needs.frequency),
                  SELECT_BEFORE_USE=bool(needs.selections), LIST_RESIDENTS=bool(needs.layer_residents),
                  BACKGROUND=bool(needs.background), LEAVES_MISSES=bool(needs.leaves_misses),
                  MARK_LOOKUPS=bool(needs.lookup_marks or needs.selections),
@@ -454,18 +459,23 @@ class KernelSimulator:
     """
 
     def __init__(self, params: SimParams, meta: TraceMeta, first_use: np.ndarray | None = None,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, num_tokens: int | None = None):
         self.params = params
         self.layout = make_layout(params, meta) if layout is None else layout
         names = chosen(params)
         needs = kernel_needs(params, self.layout)
-        self.kernels = kernels(tuple(names.items()), needs)
         mods = modules(names)
+        # an eviction may run this choice with other hooks of the same victims (``kernel_hooks``)
+        hooks = getattr(mods["eviction"], "kernel_hooks", None)
+        hooks = hooks(params, self.layout, needs, num_tokens) if hooks is not None else None
+        self.kernels = kernels(tuple(names.items()), needs, hooks[0].__name__ if hooks else None)
+        self.num_tokens = num_tokens  # the most tokens run_chunk may see (the hooks' bound)
+        self._seen_tokens = 0
         self.consts = make_consts(params, self.layout)
         self.core = make_core_state(params, self.layout)
         self.link = make_link_state(params, self.layout, background=needs.background)
         self.policy_states = (
-            mods["eviction"].make_state(params, self.layout, first_use),
+            hooks[1] if hooks else mods["eviction"].make_state(params, self.layout, first_use),
             mods["miss_rule"].make_state(params),
             mods["miss_action"].make_state(params),
             mods["substitute"].make_state(params),
@@ -507,6 +517,11 @@ class KernelSimulator:
         if self._ended:
             raise RuntimeError("this simulator's run has ended: result() took its arrays")
         T = chunk.num_tokens
+        self._seen_tokens += T
+        if self.num_tokens is not None and (self._seen_tokens > self.num_tokens
+                                            or (T and int(chunk.group[-1]) >= self.num_tokens)):
+            raise RuntimeError(f"the run was set up for at most {self.num_tokens} tokens (groups below it); "
+                               f"this chunk goes past them")
         out = TokenOut(*(np.empty(T, m.dtype) for m in TOKEN))
         logits, bits = self._no_logits, self._no_bits
         if chunk.logits.shape[0] and chunk.logits.dtype == np.float16:  # converted row by row

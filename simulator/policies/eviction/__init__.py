@@ -34,6 +34,12 @@ selected in the step and not used. Before a step's first background arrival the 
 ``on_use`` for each of the step's selections, resident or not, so that the arrival's trim keeps
 them; a later insertion stores its own step).
 
+Optional ``kernel_hooks(params, layout, needs, num_tokens) -> (module, state) | None``: another
+module with the same kernel hooks and the same victims, and its state, for the runs where it is
+faster (``num_tokens``: a bound on the run's tokens where the source knows it, else None); the
+kernel is then compiled with that module in place of the variant's own (lfu's packed keys for
+small per-layer pools: ``_lfu_scan``). The reference twin stays the one.
+
 Reference twin ``Reference(sim)`` (plain Python, ``sim`` the reference engine): ``on_insert(x,
 step)``, ``on_use(x, step)``, ``on_select(x, layer, step, token, next_group)`` (``token``: the
 token's index in its group), ``on_group(num_tokens)``,

@@ -15,6 +15,9 @@ those last used in it, less the background arrivals inserted in it and not used 
 the kernel marks no lookup and passes the trim the step (``simulator.engine.state.step_stamp``;
 KernelNeeds.step_marks), and the victim search reads ``last_use`` (already one of its keys) and,
 for those last used in the step, ``fresh``, instead of the marks.
+
+Small pools without decay or background arrivals run the same order from packed keys, scanned
+(:mod:`simulator.policies.eviction._lfu_scan`, chosen by :func:`kernel_hooks`).
 """
 from __future__ import annotations
 
@@ -53,6 +56,17 @@ def make_state(params, layout, first_use=None):
     capacity, pools = int(layout.pool_capacity.sum()), layout.pool_budget_bytes.shape[0]
     return State(make_heap(capacity, X, pools), np.zeros(X, np.int64), np.zeros(capacity, np.int32),
                  np.zeros(pools, np.int64))
+
+
+def kernel_hooks(params, layout, needs, num_tokens):
+    """Another module of these hooks with the same victims, and its state, where it runs
+    ``params`` faster (``needs``: simulator.policies.KernelNeeds; ``num_tokens``: at most the
+    run's tokens, None if not known); None: this module's."""
+    from simulator.policies.eviction import _lfu_scan
+
+    if not _lfu_scan.applies(params, layout, needs.background, num_tokens):
+        return None
+    return _lfu_scan, _lfu_scan.make_state(params, layout, num_tokens)
 
 
 @jit(allocates=False, inline=True)
