@@ -21,6 +21,7 @@ from simulator.engine.reference import ReferenceSimulator
 from simulator.policies import kernel_needs
 from simulator.policies.eviction import REGISTRY as EVICTIONS
 from simulator.policies.eviction import _lfu_scan as LFU_SCAN
+from simulator.policies.eviction import _lru_scan as LRU_SCAN
 from traces.format import PHASE_DECODE, slice_chunk
 
 
@@ -63,14 +64,17 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
         if isinstance(st, D.Lists):
             assert sorted(_walk(st, p)) == members
             continue
-        if hasattr(st, "keys"):  # lfu's packed keys (eviction/_lfu_scan.py)
-            off, n = int(sim.layout.pool_offset[p]), int(st.count[p])
-            keys = st.keys[off : off + n]
+        if isinstance(getattr(st, "pool", None), D.Packed):  # lfu's or lru's packed keys (kernel_hooks)
+            off, n = int(sim.layout.pool_offset[p]), int(st.pool.count[p])
+            keys = st.pool.keys[off : off + n]
             ids = (keys & ((1 << st.id_bits) - 1)).tolist()
             assert sorted(ids) == members
-            assert all(st.slot[x] == off + i for i, x in enumerate(ids))
-            assert (keys >= 0).all() and (keys < LFU_SCAN.USED).all()
-            assert ((keys >> st.freq_shift) == core.freq[ids].astype(np.int64)).all()  # the count as stored
+            assert all(st.pool.slot[x] == off + i for i, x in enumerate(ids))
+            assert (keys >= 0).all() and (keys < D.PACKED_FLAG).all()
+            if hasattr(st, "freq_shift"):  # lfu: the count as stored is the count
+                assert ((keys >> st.freq_shift) == core.freq[ids].astype(np.int64)).all()
+            else:  # lru: ordinals are unique
+                assert len(set((keys >> st.id_bits).tolist())) == n
             continue
         order = st.heap if hasattr(st, "heap") else st.slots
         off, n = int(sim.layout.pool_offset[p]), int(order.count[p])
@@ -142,60 +146,72 @@ def test_kernel_structures_stay_consistent(seed):
             assert residents == {x for x, r in enumerate(slow.resident) if r}
 
 
-def _lfu_hooks(p, source):
+def _hooks(p, source):
     from simulator.engine.layout import make_layout
-    from simulator.policies.eviction import lfu
 
     layout = make_layout(p, source.meta)
-    return lfu.kernel_hooks(p, layout, kernel_needs(p, layout), source.num_tokens)
+    return EVICTIONS[p.eviction].kernel_hooks(p, layout, kernel_needs(p, layout), source.num_tokens)
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_lfu_on_packed_keys_gives_the_heaps_results(seed, monkeypatch):
-    """Undecayed, with nothing in the background and small pools, lfu runs on packed keys
-    (_lfu_scan); its results equal the heap's and the reference's, field by field, with every
-    miss rule and action, warm starts, prompts, chunks of any size and pools down to one expert
-    (a trim that must evict a resident the step used)."""
+SCANS = {"lfu": LFU_SCAN, "lru": LRU_SCAN}
+
+
+@pytest.mark.parametrize("eviction", list(SCANS))
+@pytest.mark.parametrize("seed", range(12))
+def test_packed_keys_give_the_same_results(eviction, seed, monkeypatch):
+    """Where lfu (undecayed) or lru (with misses left to the miss action) runs on packed keys
+    (nothing in the background, small per-layer pools: their kernel_hooks), the results equal the
+    reference's and those of the heap or lists, field by field, with every miss rule and action,
+    warm starts, prompts, chunks of any size and pools down to one expert (a trim that must
+    evict a resident the step used)."""
     rng = np.random.default_rng(5 * 10**6 + seed)
     source = random_trace(rng)
-    p = random_params(rng, source.meta, eviction="lfu", rule=["fetch_all", "rule015", "substitute_all",
-                                                             "first_choice"][seed % 4])
+    rules = ["fetch_all", "rule015", "substitute_all", "first_choice"] if eviction == "lfu" else \
+        ["substitute_all", "rule015", "first_choice"]
+    p = random_params(rng, source.meta, eviction=eviction, rule=rules[seed % len(rules)])
     p = dataclasses.replace(p, lfu_decay=1.0, beta=math.inf, prefetch="none", scope="per_layer",
                             pool_budget_bytes=p.pool_budget_bytes[:1].repeat(source.meta.num_layers))
+    if _hooks(p, source) is None and eviction == "lru":  # top-1 under rule015 leaves no miss
+        p = dataclasses.replace(p, protect_ranks=0, tau=math.inf)
     if seed % 3 == 0:  # one expert a pool: the step's used residents are evicted too
         p = dataclasses.replace(p, pool_budget_bytes=np.full_like(p.pool_budget_bytes, max(p.expert_bytes)))
-    hooks = _lfu_hooks(p, source)
-    assert hooks is not None and hooks[0] is LFU_SCAN
+    hooks = _hooks(p, source)
+    assert hooks is not None and hooks[0] is SCANS[eviction]
     chunk_tokens = int(rng.integers(1, 20))
     scan = run_both(source, p, chunk_tokens=chunk_tokens)  # the reference's results
-    monkeypatch.setattr(LFU_SCAN, "applies", lambda *args: False)
-    assert _lfu_hooks(p, source) is None
-    assert_same(scan, simulate(source, p, chunk_tokens=chunk_tokens))  # the heap's
+    monkeypatch.setattr(SCANS[eviction], "applies", lambda *args: False)
+    assert _hooks(p, source) is None
+    assert_same(scan, simulate(source, p, chunk_tokens=chunk_tokens))  # the heap's or the lists'
 
 
-def test_lfu_packed_keys_only_where_they_apply():
-    """The packed keys need the run's length, no decay, nothing arriving in the background,
-    a pool per layer of at most SCAN_MAX_RESIDENTS experts, and keys within 62 bits."""
+def test_packed_keys_only_where_they_apply():
+    """The packed keys need the run's length, nothing arriving in the background, a pool per
+    layer of at most SCAN_MAX_RESIDENTS experts and keys within 62 bits; lfu's also no decay,
+    lru's a miss rule that leaves misses (else the lists are faster)."""
+    from simulator.engine.layout import make_layout
+    from simulator.policies.eviction._base import SCAN_MAX_RESIDENTS
+
     rng = np.random.default_rng(17)
     source = random_trace(rng, logits=True)
     p = random_params(rng, source.meta, eviction="lfu", rule="substitute_all")
     p = dataclasses.replace(p, lfu_decay=1.0, beta=math.inf, prefetch="none", scope="per_layer", miss_action="substitute",
                             pool_budget_bytes=np.full(source.meta.num_layers, 2 * max(p.expert_bytes)))
-    assert _lfu_hooks(p, source) is not None
-    assert _lfu_hooks(dataclasses.replace(p, lfu_decay=0.9), source) is None
-    assert _lfu_hooks(dataclasses.replace(p, beta=0.5), source) is None  # admits in the background
-    assert _lfu_hooks(dataclasses.replace(p, scope="global", pool_budget_bytes=p.pool_budget_bytes[:1]),
+    for eviction in SCANS:
+        q = dataclasses.replace(p, eviction=eviction)
+        assert _hooks(q, source) is not None
+        assert _hooks(dataclasses.replace(q, beta=0.5), source) is None  # admits in the background
+        assert _hooks(dataclasses.replace(q, scope="global", pool_budget_bytes=q.pool_budget_bytes[:1]),
                       source) is None
-    big = (LFU_SCAN.SCAN_MAX_RESIDENTS + 1) * int(min(p.expert_bytes))
-    assert _lfu_hooks(dataclasses.replace(p, pool_budget_bytes=np.full_like(p.pool_budget_bytes, big)),
+        big = (SCAN_MAX_RESIDENTS + 1) * int(min(q.expert_bytes))
+        assert _hooks(dataclasses.replace(q, pool_budget_bytes=np.full_like(q.pool_budget_bytes, big)),
                       source) is None
-    from simulator.engine.layout import make_layout
-
-    layout = make_layout(p, source.meta)
-    assert not LFU_SCAN.applies(p, layout, False, None)  # the length is not known
+        layout = make_layout(q, source.meta)
+        assert not SCANS[eviction].applies(q, layout, False, None)  # the length is not known
+        assert not SCANS[eviction].applies(q, layout, False, 2**60)  # the keys would not fit
+    assert _hooks(dataclasses.replace(p, lfu_decay=0.9), source) is None
+    assert _hooks(dataclasses.replace(p, eviction="lru", protect_ranks=0, tau=0.0), source) is None  # fetch_all
     assert LFU_SCAN.key_widths(24576, 48, 2**20) is not None  # a million tokens of Qwen3-Next
     assert LFU_SCAN.key_widths(24576, 48, 2**24) is None  # 16 M: the keys would not fit
-    assert not LFU_SCAN.applies(p, layout, False, 2**60)
 
 
 def test_a_run_set_up_for_fewer_tokens_refuses_a_longer_chunk():

@@ -5,6 +5,9 @@
 - :class:`Heap`: indexed binary min-heaps of ``(key1, key2, x)``, one per pool in the pool's
   segment of ``items`` (``consts.pool_offset``); ``slot[x]`` is x's position in its heap.
 - :class:`Slots`: each pool's members in its segment of ``items``, swap-removed.
+- :class:`Packed`: each pool's members as whole keys (an integer whose low bits are the id) in
+  its segment of ``keys``, swap-removed; the victim is the least key, found by a pass over the
+  pool that the compiler vectorises.
 - :func:`insert_ranked`: a short best-first list (a predictor's top P, a step's substitutes).
 
 All functions work in the arrays they are given and allocate nothing. Victim searches remove
@@ -114,6 +117,63 @@ def slot_append(s, c, x, p):
     s.items[c.pool_offset[p] + n] = x
     s.slot[x] = n
     s.count[p] = n + 1
+
+
+class Packed(NamedTuple):
+    keys: np.ndarray  # int64[capacity]: pool segments of keys, each with its expert's id in the low id bits
+    slot: np.ndarray  # int32[X]: a member's position in keys
+    count: np.ndarray  # int64[P]
+
+
+# bit 62 of a key marks it during a pass (packed_least): keys must stay below it
+PACKED_FLAG = np.int64(1 << 62)
+_NO_KEY = np.int64(2**63 - 1)
+
+
+def make_packed(capacity: int, num_items: int, num_pools: int) -> Packed:
+    return Packed(np.zeros(capacity, np.int64), np.zeros(num_items, np.int32), np.zeros(num_pools, np.int64))
+
+
+@jit(allocates=False, inline=True)
+def packed_insert(pk, c, x, p, key):
+    n = pk.count[p]
+    j = c.pool_offset[p] + n
+    pk.keys[ix(j)] = key
+    pk.slot[x] = j
+    pk.count[p] = n + 1
+
+
+@jit(allocates=False, inline=True)
+def packed_store(pk, x, key):
+    """x's new key (x a member)."""
+    pk.keys[ix(pk.slot[x])] = key
+
+
+@jit(allocates=False)
+def packed_least(keys, off, n, field, value):
+    """The least of ``keys[off : off + n]``, each key whose bits ``field`` equal ``value`` read
+    with PACKED_FLAG set (after all others; ``field`` 0 and ``value`` -1: none)."""
+    pool = keys[off:off + n]  # indexed from 0: no index can wrap, so the loop is vectorised
+    best = _NO_KEY
+    for j in range(pool.shape[0]):
+        k = pool[j]
+        best = min(best, k | (PACKED_FLAG if (k & field) == value else 0))
+    return best
+
+
+@jit(allocates=False, inline=True)
+def packed_take(pk, c, p, id_bits, field, value):
+    """Remove and return pool p's member of the least key (:func:`packed_least`)."""
+    off = c.pool_offset[p]
+    n = pk.count[p] - 1
+    mask = (np.int64(1) << id_bits) - 1
+    x = packed_least(pk.keys, off, n + 1, field, value) & mask
+    last = pk.keys[ix(off + n)]
+    j = pk.slot[x]
+    pk.keys[ix(j)] = last
+    pk.slot[last & mask] = j
+    pk.count[p] = n
+    return x
 
 
 class Heap(NamedTuple):

@@ -1,8 +1,25 @@
 """Pieces several eviction policies share: no-op hooks and the reference twins' common parts."""
 from __future__ import annotations
 
+import numpy as np
+
 from simulator.engine.structures import heap_end_trim, heap_victim, make_lists
 from simulator.jit import jit
+
+# the most residents a pool may hold for the packed-key hooks (its budget in experts of its
+# layer's size): the largest pool measured (eviction/_lfu_scan.py)
+SCAN_MAX_RESIDENTS = 384
+
+
+def scan_applies(params, layout, background: bool, num_tokens: int | None) -> bool:
+    """Whether hooks that scan a pool of packed keys per victim (``kernel_hooks``) can run
+    ``params``: the run's length is known (the keys' widths), nothing arrives in the background
+    (the step's used residents are told by their keys alone), and each pool is one layer's and
+    holds at most SCAN_MAX_RESIDENTS experts (a victim costs a pass over its pool)."""
+    if num_tokens is None or background or params.scope != "per_layer":
+        return False
+    sizes = np.maximum(np.asarray(params.expert_bytes, np.int64), 1)  # a pool per layer
+    return bool((layout.pool_budget_bytes // sizes).max() <= SCAN_MAX_RESIDENTS)
 
 
 def make_pool_lists(params, layout, first_use=None):

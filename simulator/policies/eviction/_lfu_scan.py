@@ -12,7 +12,7 @@ the engines' equivalence tests run both against the one reference. ``lfu`` choos
 - nothing arrives in the background (each step's used residents are then exactly those whose
   last use is the step);
 - each pool is one layer's (``scope=per_layer``) and holds at most ``SCAN_MAX_RESIDENTS``
-  experts: a victim costs a pass over its pool, where the heap's costs a few sifts or less (most
+  experts (``_base.scan_applies``): a victim costs a pass over its pool, where the heap's costs a few sifts or less (most
   of its victims are recent admissions held out of it). Measured on 4,096 tokens of the
   Qwen3-Next shape (fetch_all + LFU, CPU time of the whole run, medians of 9): per layer at
   10, 26, 51, 128, 256 and 384 residents the scan took 35.0, 31.5, 33.0, 22.6, 13.5 and 8.0 ms
@@ -22,11 +22,9 @@ the engines' equivalence tests run both against the one reference. ``lfu`` choos
   per token and expert), the step of the last use (``step + X``: the warm-up's inserts are
   stored at steps -1 .. -X) and the expert's flat id x, most significant first.
 
-A key is stored at every insertion and use; the trim's pass sets bit 62 on the keys whose step
-is the trim's own (used in the step: above every other key, and in the same order among
-themselves when all are used), so no flag is ever cleared. Per pool p its residents' keys lie in
-``keys[pool_offset[p] : pool_offset[p] + count[p]]``, ``slot[x]`` is x's position in ``keys``;
-a victim is swap-removed.
+A key is stored at every insertion and use (``structures.Packed``); the trim's pass reads the
+keys whose step is the trim's own with bit 62 set (used in the step: after every other key, and
+in the same order among themselves when all are used), so no flag is ever stored or cleared.
 """
 from __future__ import annotations
 
@@ -34,29 +32,31 @@ from typing import NamedTuple
 
 import numpy as np
 
-from simulator.jit import ix, jit
-from simulator.policies.eviction._base import ignore_end_trim, ignore_group, ignore_select
+from simulator.engine.structures import (
+    Packed,
+    make_packed,
+    packed_insert,
+    packed_store,
+    packed_take,
+)
+from simulator.jit import jit
+from simulator.policies.eviction._base import (
+    ignore_end_trim,
+    ignore_group,
+    ignore_select,
+    scan_applies,
+)
 
 on_select, on_group, end_trim = ignore_select, ignore_group, ignore_end_trim
-READS_FREQUENCY = True
-MARKS_BY_LAST_USE = True
-
-# the most residents a pool may hold for the scan (its budget in experts of the pool's smallest
-# size): the largest pool measured (above)
-SCAN_MAX_RESIDENTS = 384
-KEY_BITS = 62  # bit 62 flags the step's used residents during a trim
-USED = np.int64(1 << KEY_BITS)
-NO_KEY = np.int64(2**63 - 1)
+KEY_BITS = 62  # bit 62 flags the step's used residents during a trim (structures.PACKED_FLAG)
 
 
 class State(NamedTuple):
-    keys: np.ndarray  # int64[capacity]: per pool (its segment) the residents' packed keys
-    slot: np.ndarray  # int32[X]: a resident's position in keys
-    count: np.ndarray  # int64[P]
+    pool: Packed
     id_bits: int  # the id's bits (the step's start above them)
     freq_shift: int  # the count's start: id bits + step bits
     step_offset: int  # X: a stored step is step + X >= 0
-    step_mask: int  # (1 << step bits) - 1
+    step_field: int  # the step's bits of a key
 
 
 def key_widths(num_experts_total: int, num_layers: int, num_tokens: int) -> tuple[int, int] | None:
@@ -72,21 +72,15 @@ def key_widths(num_experts_total: int, num_layers: int, num_tokens: int) -> tupl
 
 def applies(params, layout, background: bool, num_tokens: int | None) -> bool:
     """Whether these hooks can run ``params`` (the module docstring's conditions)."""
-    if num_tokens is None or background or params.lfu_decay != 1.0 or params.scope != "per_layer":
-        return False
-    smallest = np.array([min(int(params.expert_bytes[lay]) for lay in np.flatnonzero(layout.pool_of_layer == p))
-                         for p in range(layout.pool_budget_bytes.shape[0])], np.int64)
-    if (layout.pool_budget_bytes // np.maximum(smallest, 1)).max() > SCAN_MAX_RESIDENTS:
-        return False
-    return key_widths(params.num_layers * params.num_experts, params.num_layers, num_tokens) is not None
+    return (params.lfu_decay == 1.0 and scan_applies(params, layout, background, num_tokens)
+            and key_widths(params.num_layers * params.num_experts, params.num_layers, num_tokens) is not None)
 
 
 def make_state(params, layout, num_tokens: int) -> State:
     X = params.num_layers * params.num_experts
     id_bits, step_bits = key_widths(X, params.num_layers, num_tokens)
-    return State(np.zeros(int(layout.pool_capacity.sum()), np.int64), np.zeros(X, np.int32),
-                 np.zeros(layout.pool_budget_bytes.shape[0], np.int64), id_bits, id_bits + step_bits, X,
-                 (1 << step_bits) - 1)
+    return State(make_packed(int(layout.pool_capacity.sum()), X, layout.pool_budget_bytes.shape[0]),
+                 id_bits, id_bits + step_bits, X, ((1 << step_bits) - 1) << id_bits)
 
 
 @jit(allocates=False, inline=True)
@@ -97,16 +91,12 @@ def _key(core, st, x, s):
 
 @jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
-    n = st.count[p]
-    j = c.pool_offset[p] + n
-    st.keys[ix(j)] = _key(core, st, x, s)
-    st.slot[x] = j
-    st.count[p] = n + 1
+    packed_insert(st.pool, c, x, p, _key(core, st, x, s))
 
 
 @jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
-    st.keys[ix(st.slot[x])] = _key(core, st, x, s)
+    packed_store(st.pool, x, _key(core, st, x, s))
 
 
 @jit(allocates=False, inline=True)
@@ -114,30 +104,7 @@ def on_rescale(core, st, c):
     pass  # never called: the frequencies do not decay
 
 
-@jit(allocates=False)
-def _least(keys, off, n, id_bits, step_field, step):
-    """The least of ``keys[off : off + n]``, bit 62 set on those whose step field is ``step``."""
-    pool = keys[off:off + n]  # indexed from 0: no index can wrap, so the loop is vectorised
-    best = NO_KEY
-    for j in range(pool.shape[0]):
-        k = pool[j]
-        best = min(best, k | (USED if (k & step_field) == step else 0))
-    return best
-
-
 @jit(allocates=False, inline=True)
 def victim(core, st, c, p, stamp):
     # the kernel passes state.step_stamp(s) = -2 - s (MARKS_BY_LAST_USE)
-    step = -2 - stamp + st.step_offset
-    off = c.pool_offset[p]
-    n = st.count[p]
-    keys = st.keys
-    x = _least(keys, off, n, st.id_bits, st.step_mask << st.id_bits, step << st.id_bits) \
-        & ((np.int64(1) << st.id_bits) - 1)
-    j = st.slot[x]
-    n -= 1
-    last = keys[ix(off + n)]
-    keys[ix(j)] = last
-    st.slot[last & ((np.int64(1) << st.id_bits) - 1)] = j
-    st.count[p] = n
-    return x
+    return packed_take(st.pool, c, p, st.id_bits, st.step_field, (-2 - stamp + st.step_offset) << st.id_bits)

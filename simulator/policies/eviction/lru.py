@@ -28,6 +28,17 @@ make_state = make_pool_lists
 STEP_USES_LAST = True
 
 
+def kernel_hooks(params, layout, needs, num_tokens):
+    """The ordinal-keyed scan of :mod:`simulator.policies.eviction._lru_scan` and its state where
+    it applies and pays (a miss rule that leaves misses: more uses than victims a step); None:
+    this module's lists."""
+    from simulator.policies.eviction import _lru_scan
+
+    if not needs.leaves_misses or not _lru_scan.applies(params, layout, needs.background, num_tokens):
+        return None
+    return _lru_scan, _lru_scan.make_state(params, layout, num_tokens)
+
+
 @jit(allocates=False, inline=True)
 def on_insert(core, st, c, x, p, s):
     list_append(st, x, p)
