@@ -287,7 +287,7 @@ NOTES = """\
   41.7 -> 41.9 ms, no gain). A 4-ary heap (half the depth, a node's children side by side; at
   36d7ab5, `docs/bench/trees_side_by_side.py`, 5 processes per tree of 9 rounds, each policy over
   the minimal kernel): fetch_all + LFU 2.52-2.67x -> 2.59-2.91x, quality_first 3.13-3.46x ->
-  3.29-3.91x, slower, left out. What fetch_all + LFU lacks of 0.5x is 4-8 %.
+  3.29-3.91x, slower, left out. What fetch_all + LFU then lacked of 0.5x was 4-8 %.
   Another structure, probed outside the engine (`docs/bench/lfu_scan_probe.py`, 25 rounds, the
   same 4,096 tokens and hits): each layer's residents' keys packed in one int64 (selections, last
   use, id; the step's used ones flagged until its trim), a use one store, a victim the least key
@@ -300,9 +300,31 @@ NOTES = """\
   At 32 residents a layer (`--shape Qwen3-30B-A3B --tokens 8192`) the probe took 1.74x the
   minimal LRU's time and the engine's LFU 2.13x its LRU's (1.36x the probe, its LRU 1.08x the
   minimal one): about a fifth to gain there, where the target is not set; at Mixtral's 2 (65,536
-  tokens) the engine's LFU is already at 1.35x its LRU. Not built into the engine: it would be a
-  second LFU structure chosen at compile time (undecayed, no background arrivals, small pools,
-  counts that fit the key), for at most 7-10 % on the target's shape.
+  tokens) the engine's LFU is already at 1.35x its LRU. Built into the engine since da25c50:
+  *Packed keys in small per-layer pools*, below.
+- **Packed keys in small per-layer pools.** lfu and lru may run their order on another structure
+  with the same victims where it is faster (an eviction's optional `kernel_hooks`; the twin is
+  the one reference, and `tests/test_engine_eviction.py` runs both structures against it). Each
+  per-layer pool of at most 384 residents keeps its residents' keys in one int64 each
+  (`structures.Packed`), a use is one store and a victim the least key of its pool. lfu's key is
+  (selections, step of the last use, id), where frequencies do not decay; the trim's pass reads
+  the keys of the step's own uses with bit 62 set, so they come last and no flag is stored
+  (`eviction/_lfu_scan.py`). lru's is (ordinal of the last use, id), where the miss rule leaves
+  misses: a step then uses about 9.7 residents and evicts 0.35, where fetch_all + LRU evicts 1.9
+  a step, and there the lists stay faster (17.6 against 11.7 ms on a scan; `eviction/_lru_scan.py`).
+  Neither applies where experts arrive in the background or the run's length is not known (the
+  keys' widths). The probe's scan above was much faster than the engine's first one (33.4 ms,
+  slower than the heap's 28): indexed as `keys[off + j]`, a signed index Numba may have to wrap,
+  the pass is not vectorised (46 ns for 138 keys, against 9.7 ns indexed from 0 in a view of
+  the pool). Side by side (79bed13 against d3e5b95, `docs/bench/trees_side_by_side.py`, the
+  Qwen3-Next shape, 4,096 tokens, 3 processes per tree of 9 rounds, each policy over the minimal
+  kernel): fetch_all + LFU 2.68-2.70x -> 2.09-2.20x, rule015 + LFU 2.18-2.22x -> 1.81-1.91x,
+  rule015 + LRU 1.96-1.97x -> 1.73-1.81x; fetch_all + LRU (1.15-1.16x / 1.16-1.18x) and
+  quality_first (3.04-3.33x / 3.09-3.19x), which keep their structures, unchanged. In those
+  rounds fetch_all + LFU went from 0.43x to 0.53-0.56x the lookups/s of fetch_all + LRU, and
+  rule015 + LRU from 0.59x to 0.64-0.68x. In one process (11 rounds, CPU time of the whole
+  run): at 32 residents a layer (Qwen3-30B-A3B, 8,192 tokens) fetch_all + LFU ran at 0.54x
+  fetch_all + LRU, at Mixtral's 2 (65,536 tokens) at 0.85x.
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
