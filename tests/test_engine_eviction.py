@@ -67,12 +67,14 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
         if isinstance(getattr(st, "pool", None), D.Packed):  # lfu's or lru's packed keys (kernel_hooks)
             off, n = int(sim.layout.pool_offset[p]), int(st.pool.count[p])
             keys = st.pool.keys[off : off + n]
-            ids = (keys & ((1 << st.id_bits) - 1)).tolist()
+            shift = 1 if hasattr(st, "freq_shift") else 0  # lfu's bit 0: a fresh arrival
+            ids = ((keys >> shift) & ((1 << st.id_bits) - 1)).tolist()
             assert sorted(ids) == members
             assert all(st.pool.slot[x] == off + i for i, x in enumerate(ids))
             assert (keys >= 0).all() and (keys < D.PACKED_FLAG).all()
             if hasattr(st, "freq_shift"):  # lfu: the count as stored is the count
                 assert ((keys >> st.freq_shift) == core.freq[ids].astype(np.int64)).all()
+                assert ((keys & 1) == 1).tolist() == (core.fresh[ids] == S.FRESH).tolist()  # arrivals left fresh
             else:  # lru: ordinals are unique
                 assert len(set((keys >> st.id_bits).tolist())) == n
             continue
@@ -159,18 +161,22 @@ SCANS = {"lfu": LFU_SCAN, "lru": LRU_SCAN}
 @pytest.mark.parametrize("eviction", list(SCANS))
 @pytest.mark.parametrize("seed", range(12))
 def test_packed_keys_give_the_same_results(eviction, seed, monkeypatch):
-    """Where lfu (undecayed) or lru (with misses left to the miss action) runs on packed keys
-    (nothing in the background, small per-layer pools: their kernel_hooks), the results equal the
-    reference's and those of the heap or lists, field by field, with every miss rule and action,
-    warm starts, prompts, chunks of any size and pools down to one expert (a trim that must
-    evict a resident the step used)."""
+    """Where lfu (undecayed) or lru (with misses left to the miss action, nothing in the
+    background) runs on packed keys (small per-layer pools: their kernel_hooks), the results
+    equal the reference's and those of the heap or lists, field by field, with every miss rule
+    and action, admissions and prefetches (lfu), warm starts, prompts, chunks of any size and
+    pools down to one expert (a trim that must evict a resident the step used)."""
     rng = np.random.default_rng(5 * 10**6 + seed)
     source = random_trace(rng)
     rules = ["fetch_all", "rule015", "substitute_all", "first_choice"] if eviction == "lfu" else \
         ["substitute_all", "rule015", "first_choice"]
     p = random_params(rng, source.meta, eviction=eviction, rule=rules[seed % len(rules)])
-    p = dataclasses.replace(p, lfu_decay=1.0, beta=math.inf, prefetch="none", scope="per_layer",
+    p = dataclasses.replace(p, lfu_decay=1.0, scope="per_layer",
                             pool_budget_bytes=p.pool_budget_bytes[:1].repeat(source.meta.num_layers))
+    if eviction == "lru":  # its keys do not tell the residents a background arrival's trim must keep
+        p = dataclasses.replace(p, beta=math.inf)
+    elif seed % 4 == 1:  # lfu with background arrivals: prefetches besides any admissions
+        p = dataclasses.replace(p, prefetch="topp", predictor="previous")
     if _hooks(p, source) is None and eviction == "lru":  # top-1 under rule015 leaves no miss
         p = dataclasses.replace(p, protect_ranks=0, tau=math.inf)
     if seed % 3 == 0:  # one expert a pool: the step's used residents are evicted too
@@ -185,9 +191,9 @@ def test_packed_keys_give_the_same_results(eviction, seed, monkeypatch):
 
 
 def test_packed_keys_only_where_they_apply():
-    """The packed keys need the run's length, nothing arriving in the background, a pool per
-    layer of at most SCAN_MAX_RESIDENTS experts and keys within 62 bits; lfu's also no decay,
-    lru's a miss rule that leaves misses (else the lists are faster)."""
+    """The packed keys need the run's length, a pool per layer of at most SCAN_MAX_RESIDENTS
+    experts and keys within 62 bits; lfu's also no decay, lru's nothing arriving in the
+    background and a miss rule that leaves misses (else the lists are faster)."""
     from simulator.engine.layout import make_layout
     from simulator.policies.eviction._base import SCAN_MAX_RESIDENTS
 
@@ -196,10 +202,11 @@ def test_packed_keys_only_where_they_apply():
     p = random_params(rng, source.meta, eviction="lfu", rule="substitute_all")
     p = dataclasses.replace(p, lfu_decay=1.0, beta=math.inf, prefetch="none", scope="per_layer", miss_action="substitute",
                             pool_budget_bytes=np.full(source.meta.num_layers, 2 * max(p.expert_bytes)))
+    assert _hooks(dataclasses.replace(p, beta=0.5), source) is not None  # lfu: also with admissions
+    assert _hooks(dataclasses.replace(p, eviction="lru", beta=0.5), source) is None
     for eviction in SCANS:
         q = dataclasses.replace(p, eviction=eviction)
         assert _hooks(q, source) is not None
-        assert _hooks(dataclasses.replace(q, beta=0.5), source) is None  # admits in the background
         assert _hooks(dataclasses.replace(q, scope="global", pool_budget_bytes=q.pool_budget_bytes[:1]),
                       source) is None
         big = (SCAN_MAX_RESIDENTS + 1) * int(min(q.expert_bytes))
@@ -210,8 +217,8 @@ def test_packed_keys_only_where_they_apply():
         assert not SCANS[eviction].applies(q, layout, False, 2**60)  # the keys would not fit
     assert _hooks(dataclasses.replace(p, lfu_decay=0.9), source) is None
     assert _hooks(dataclasses.replace(p, eviction="lru", protect_ranks=0, tau=0.0), source) is None  # fetch_all
-    assert LFU_SCAN.key_widths(24576, 48, 2**20) is not None  # a million tokens of Qwen3-Next
-    assert LFU_SCAN.key_widths(24576, 48, 2**24) is None  # 16 M: the keys would not fit
+    assert LFU_SCAN.key_widths(24576, 48, 2**19) is not None  # half a million tokens of Qwen3-Next
+    assert LFU_SCAN.key_widths(24576, 48, 2**20) is None  # a million: the keys would not fit
 
 
 def test_a_run_set_up_for_fewer_tokens_refuses_a_longer_chunk():

@@ -50,7 +50,7 @@ from simulator.engine.state import (
     used,
     wasted_background,
 )
-from simulator.jit import ix, specialise
+from simulator.jit import ix, jit, specialise
 from simulator.metrics import (
     TOKEN,
     TOKEN_IDS,
@@ -65,7 +65,7 @@ from traces.format import PHASE_DECODE, TraceChunk, TraceMeta
 # The policy modules the kernels call, and the kernel's inlined steps; bound per compiled kernel by
 # simulator.jit.specialise.
 eviction = miss_rule = miss_action = substitute = admission = predictor = prefetch = None
-_trim_step = _fetch_step = _use_step = None
+_trim_step = _fetch_step = _use_step = _fresh_step = None
 # What the chosen variants read (simulator.policies.KernelNeeds), bound per kernel: whether
 # selections are counted in core.freq, whether a decode step runs its selection pass before its
 # rank loop (else the pass runs at the step's first background arrival, if one comes, and
@@ -160,6 +160,11 @@ def _use(core, ev, c, y, p, s):
     eviction.on_use(core, ev, c, y, p, s)
     if core.fresh[y] == FRESH:
         core.fresh[y] = FRESH_SELECTED
+
+
+@jit(allocates=False, inline=True)
+def _no_fresh(core, st, c, x, p):
+    """An eviction's optional ``on_fresh`` where it has none."""
 
 
 def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
@@ -280,8 +285,11 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                         if STEP_MARKS:  # last used in the step: kept by its own trim, then fresh
                             if not core.resident[x]:  # its own trim evicted it (all else was kept)
                                 wasted_background(rc, source, c.expert_bytes[lx])
+                            elif selected:
+                                core.fresh[x] = FRESH_SELECTED
                             else:
-                                core.fresh[x] = FRESH_SELECTED if selected else FRESH
+                                core.fresh[x] = FRESH
+                                _fresh_step(core, ev, c, x, px)
                         elif not selected:  # it may serve as a substitute in this step
                             core.mark[x] = stamp - 1
                         rc[RunCount.BACKGROUND_ADMISSIONS] += 1
@@ -447,7 +455,8 @@ def kernels(names: tuple[tuple[str, str], ...], needs: KernelNeeds, eviction: st
     bound["STEP_MARKS"] = bool(needs.step_marks)
     steps = {"_trim_step": specialise(_trim, bound, inline=True),
              "_fetch_step": specialise(_fetch, bound, inline=True),
-             "_use_step": specialise(_use, bound, inline=True)}
+             "_use_step": specialise(_use, bound, inline=True),
+             "_fresh_step": getattr(chosen_modules["eviction"], "on_fresh", _no_fresh)}
     return Kernels(specialise(_run_chunk, dict(bound, **steps)), specialise(_warm, bound))
 
 

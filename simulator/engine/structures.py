@@ -5,8 +5,8 @@
 - :class:`Heap`: indexed binary min-heaps of ``(key1, key2, x)``, one per pool in the pool's
   segment of ``items`` (``consts.pool_offset``); ``slot[x]`` is x's position in its heap.
 - :class:`Slots`: each pool's members in its segment of ``items``, swap-removed.
-- :class:`Packed`: each pool's members as whole keys (an integer whose low bits are the id) in
-  its segment of ``keys``, swap-removed; the victim is the least key, found by a pass over the
+- :class:`Packed`: each pool's members as whole keys (an integer that holds the id in some of
+  its low bits) in its segment of ``keys``, swap-removed; the victim is the least key, found by a pass over the
   pool that the compiler vectorises.
 - :func:`insert_ranked`: a short best-first list (a predictor's top P, a step's substitutes).
 
@@ -120,7 +120,7 @@ def slot_append(s, c, x, p):
 
 
 class Packed(NamedTuple):
-    keys: np.ndarray  # int64[capacity]: pool segments of keys, each with its expert's id in the low id bits
+    keys: np.ndarray  # int64[capacity]: pool segments of keys, each with its expert's id in its low bits
     slot: np.ndarray  # int32[X]: a member's position in keys
     count: np.ndarray  # int64[P]
 
@@ -149,6 +149,12 @@ def packed_store(pk, x, key):
     pk.keys[ix(pk.slot[x])] = key
 
 
+@jit(allocates=False, inline=True)
+def packed_flag(pk, x, bits):
+    """Set ``bits`` in x's key (x a member)."""
+    pk.keys[ix(pk.slot[x])] |= bits
+
+
 @jit(allocates=False)
 def packed_least(keys, off, n, field, value):
     """The least of ``keys[off : off + n]``, each key whose bits ``field`` equal ``value`` read
@@ -162,16 +168,17 @@ def packed_least(keys, off, n, field, value):
 
 
 @jit(allocates=False, inline=True)
-def packed_take(pk, c, p, id_bits, field, value):
-    """Remove and return pool p's member of the least key (:func:`packed_least`)."""
+def packed_take(pk, c, p, id_shift, id_bits, field, value):
+    """Remove and return pool p's member of the least key (:func:`packed_least`); a key's id is
+    its ``id_bits`` bits from bit ``id_shift``."""
     off = c.pool_offset[p]
     n = pk.count[p] - 1
     mask = (np.int64(1) << id_bits) - 1
-    x = packed_least(pk.keys, off, n + 1, field, value) & mask
+    x = (packed_least(pk.keys, off, n + 1, field, value) >> id_shift) & mask
     last = pk.keys[ix(off + n)]
     j = pk.slot[x]
     pk.keys[ix(j)] = last
-    pk.slot[last & mask] = j
+    pk.slot[(last >> id_shift) & mask] = j
     pk.count[p] = n
     return x
 

@@ -11,12 +11,11 @@ from simulator.jit import jit
 SCAN_MAX_RESIDENTS = 384
 
 
-def scan_applies(params, layout, background: bool, num_tokens: int | None) -> bool:
+def scan_applies(params, layout, num_tokens: int | None) -> bool:
     """Whether hooks that scan a pool of packed keys per victim (``kernel_hooks``) can run
-    ``params``: the run's length is known (the keys' widths), nothing arrives in the background
-    (the step's used residents are told by their keys alone), and each pool is one layer's and
+    ``params``: the run's length is known (the keys' widths), and each pool is one layer's and
     holds at most SCAN_MAX_RESIDENTS experts (a victim costs a pass over its pool)."""
-    if num_tokens is None or background or params.scope != "per_layer":
+    if num_tokens is None or params.scope != "per_layer":
         return False
     sizes = np.maximum(np.asarray(params.expert_bytes, np.int64), 1)  # a pool per layer
     return bool((layout.pool_budget_bytes // sizes).max() <= SCAN_MAX_RESIDENTS)

@@ -58,7 +58,8 @@ def id_bits_for(params, num_tokens: int) -> int | None:
 
 def applies(params, layout, background: bool, num_tokens: int | None) -> bool:
     """Whether these hooks can run ``params`` (the module docstring's conditions)."""
-    return scan_applies(params, layout, background, num_tokens) and id_bits_for(params, num_tokens) is not None
+    return (not background and scan_applies(params, layout, num_tokens)
+            and id_bits_for(params, num_tokens) is not None)
 
 
 def make_state(params, layout, num_tokens: int) -> State:
@@ -86,4 +87,4 @@ def on_use(core, st, c, x, p, s):
 
 @jit(allocates=False, inline=True)
 def victim(core, st, c, p, stamp):
-    return packed_take(st.pool, c, p, st.id_bits, 0, -1)  # the least recently used: no flag
+    return packed_take(st.pool, c, p, 0, st.id_bits, 0, -1)  # the least recently used: no flag
