@@ -71,6 +71,8 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
             ids = ((keys >> shift) & ((1 << st.id_bits) - 1)).tolist()
             assert sorted(ids) == members
             assert all(st.pool.slot[x] == off + i for i, x in enumerate(ids))
+            spare = st.pool.keys.shape[0] - 1
+            assert all(st.pool.slot[x] == spare for x in range(L * E) if pool_of[x // E] == p and x not in members)
             assert (keys >= 0).all() and (keys < D.PACKED_FLAG).all()
             if hasattr(st, "freq_shift"):  # lfu: the count as stored is the count
                 assert ((keys >> st.freq_shift) == core.freq[ids].astype(np.int64)).all()

@@ -120,7 +120,10 @@ def slot_append(s, c, x, p):
 
 
 class Packed(NamedTuple):
-    keys: np.ndarray  # int64[capacity]: pool segments of keys, each with its expert's id in its low bits
+    # int64[capacity + 1]: pool segments of keys, each with its expert's id in its low bits; the
+    # last entry is no pool's: where the slot of every non-member points, so that a store for
+    # one needs no test
+    keys: np.ndarray
     slot: np.ndarray  # int32[X]: a member's position in keys
     count: np.ndarray  # int64[P]
 
@@ -131,7 +134,8 @@ _NO_KEY = np.int64(2**63 - 1)
 
 
 def make_packed(capacity: int, num_items: int, num_pools: int) -> Packed:
-    return Packed(np.zeros(capacity, np.int64), np.zeros(num_items, np.int32), np.zeros(num_pools, np.int64))
+    return Packed(np.zeros(capacity + 1, np.int64), np.full(num_items, capacity, np.int32),
+                  np.zeros(num_pools, np.int64))
 
 
 @jit(allocates=False, inline=True)
@@ -145,7 +149,7 @@ def packed_insert(pk, c, x, p, key):
 
 @jit(allocates=False, inline=True)
 def packed_store(pk, x, key):
-    """x's new key (x a member)."""
+    """x's new key (where x is not a member, into the spare entry)."""
     pk.keys[ix(pk.slot[x])] = key
 
 
@@ -179,6 +183,7 @@ def packed_take(pk, c, p, id_shift, id_bits, field, value):
     j = pk.slot[x]
     pk.keys[ix(j)] = last
     pk.slot[(last >> id_shift) & mask] = j
+    pk.slot[x] = pk.keys.shape[0] - 1  # the spare entry
     pk.count[p] = n
     return x
 

@@ -103,8 +103,9 @@ def on_insert(core, st, c, x, p, s):
 
 @jit(allocates=False, inline=True)
 def on_use(core, st, c, x, p, s):
-    if core.resident[x]:  # before a background arrival the kernel uses every selection
-        packed_store(st.pool, x, _key(core, st, x, s))
+    # before a background arrival the kernel uses every selection, resident or not: a
+    # non-resident's key goes to the pool's spare entry
+    packed_store(st.pool, x, _key(core, st, x, s))
 
 
 @jit(allocates=False, inline=True)

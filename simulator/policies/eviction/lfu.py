@@ -16,7 +16,7 @@ the kernel marks no lookup and passes the trim the step (``simulator.engine.stat
 KernelNeeds.step_marks), and the victim search reads ``last_use`` (already one of its keys) and,
 for those last used in the step, ``fresh``, instead of the marks.
 
-Small pools without decay or background arrivals run the same order from packed keys, scanned
+Small per-layer pools without decay run the same order from packed keys, scanned
 (:mod:`simulator.policies.eviction._lfu_scan`, chosen by :func:`kernel_hooks`).
 """
 from __future__ import annotations
