@@ -223,6 +223,21 @@ def test_packed_keys_only_where_they_apply():
     assert LFU_SCAN.key_widths(24576, 48, 2**20) is None  # a million: the keys would not fit
 
 
+def test_a_view_of_the_first_tokens_keeps_the_packed_keys(monkeypatch):
+    """moe-sim's trace.max_tokens view bounds the run by the whole trace's tokens, so lfu keeps
+    its packed keys there (same results as the reference)."""
+    from simulator.engine import token_bound
+    from traces.sources import LimitedSource
+
+    source = random_trace(np.random.default_rng(29))
+    view = LimitedSource(source, source.num_tokens // 2)
+    assert token_bound(view) == source.num_tokens
+    made = []
+    monkeypatch.setattr(LFU_SCAN, "make_state", lambda *args, f=LFU_SCAN.make_state: made.append(1) or f(*args))
+    run_both(view, make_params(source.meta, eviction="lfu"))
+    assert made
+
+
 def test_a_run_set_up_for_fewer_tokens_refuses_a_longer_chunk():
     source = random_trace(np.random.default_rng(23))
     p = make_params(source.meta, eviction="lfu")

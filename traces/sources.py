@@ -19,6 +19,13 @@ class LimitedSource:
         self.source, self.meta, self.max_tokens = source, source.meta, max_tokens
 
     @property
+    def token_bound(self) -> int | None:
+        """At most how many tokens the view yields and above every group ordinal in it: the
+        wrapped source's tokens (its last group may run past the limit); None where unknown."""
+        inner = self.source
+        return getattr(inner, "token_bound", None) or getattr(inner, "num_tokens", None)
+
+    @property
     def keeps_logit_order(self) -> bool:
         """Whether ``order_r`` is served from a kept copy (as the wrapped source's)."""
         return bool(getattr(self.source, "keeps_logit_order", False))

@@ -95,7 +95,7 @@ def simulate(
         if needs_next_use(params):
             next_use = stack.enter_context(NextUseFile(source, skipped, chunk_tokens))
         sim = make_engine(params, meta, engine, None if next_use is None else next_use.first_use,
-                          observer, layout, getattr(source, "num_tokens", None))
+                          observer, layout, token_bound(source))
         if counts is not None:
             sim.warm(counts)
         if training is not None:
@@ -119,6 +119,13 @@ def simulate(
             if progress is not None:
                 progress(tokens_done)
         return sim.result()
+
+
+def token_bound(source) -> int | None:
+    """At most how many tokens ``source`` yields, all its group ordinals below it (its
+    ``token_bound`` where a view says, else its ``num_tokens``); None where unknown."""
+    bound = getattr(source, "token_bound", None)
+    return int(bound) if bound is not None else getattr(source, "num_tokens", None)
 
 
 def predictor_training(source, params: SimParams, chunk_tokens: int | None = None):
