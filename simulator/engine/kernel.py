@@ -33,7 +33,6 @@ from simulator.engine.state import (
     FRESH,
     FRESH_SELECTED,
     INC,
-    MASS_STEPS,
     NO_STAMP,
     PREFETCH,
     PREFILL_FETCH_BYTES,
@@ -368,7 +367,6 @@ def _run_chunk(ch, c, core, link, ev, rule, act, sub, adm, pr, pf, out):
                     if n_mass == core.mass_buf.shape[0]:
                         bin_masses(core.mass_hist, core.mass_buf, n_mass)
                         n_mass = 0
-                    core.istate[MASS_STEPS] += 1
                 group_mass += m
                 group_substitutions += substitutions
                 group_cpu_calls += cpu_calls
@@ -570,7 +568,7 @@ class KernelSimulator:
             tokens[m.name] = parts[0] if len(parts) == 1 else np.concatenate(parts or [np.zeros(0)])
         core = self.core
         layer_counts, run_counts, zero_mass = derived_counts(
-            core.layer_counts, core.run_counts, int(core.istate[MASS_STEPS]), self.decode_tokens,
+            core.layer_counts, core.run_counts, int(core.mass_hist.sum()), self.decode_tokens,
             self.params.top_k, self.warm_inserts - int(np.count_nonzero(core.resident)),
             self.consts.expert_bytes if untiered.py_func(self.link) else None,
             int(core.istate[PREFILL_FETCH_BYTES]))

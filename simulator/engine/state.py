@@ -27,11 +27,11 @@ BUDGET, BYTES = 0, 1
 # where a resident came from (CoreState.src) and the source tag of a background transfer
 DEMAND, ADMISSION, PREFETCH = 0, 1, 2
 # CoreState.istate[] entries
-# the step stamp; decode steps recorded in the mass histogram; the bytes of prefill steps'
-# synchronous fetches (counted in RunCount.BYTES_FETCHED after the run where no host-RAM tier
-# counts them as they are copied: kernel.derived_counts)
-STAMP, MASS_STEPS, PREFILL_FETCH_BYTES = 0, 1, 2
-N_ISTATE = 3
+# the step stamp; the bytes of prefill steps' synchronous fetches (counted in
+# RunCount.BYTES_FETCHED after the run where no host-RAM tier counts them as they are copied:
+# kernel.derived_counts)
+STAMP, PREFILL_FETCH_BYTES = 0, 1
+N_ISTATE = 2
 # The stamp a trim passes where it can never reach a resident marked in the step (a decode step's
 # trim where used residents are the last victims and every pool holds a step): marks are never
 # negative, so a victim search that tests them finds none marked, and one may skip the test
