@@ -12,6 +12,9 @@ walk and scan give the same expert at every ``top_r``; ``top_r=0`` always scans.
 meets a selected expert, so the variant needs neither the step's selections marked before its
 lookups nor the layers' resident lists: the scan, which is rare at the default ``top_r``, marks
 the step's selections itself (as the marking pass would have) and tests residency per expert.
+Nor does the walk meet a substitute the step used: its position only moves on, past each one it
+returned, so it tests residency alone, two candidates at a time (one branch for both, where a
+branch per candidate is taken at random).
 A step's first walk asks the CPU to load the next two steps' order rows (:func:`simulator.jit.prefetch`):
 the rows are read once each, in trace order, and waiting for them was most of the walk's cost.
 
@@ -71,15 +74,22 @@ def choose(core, st, c, chunk, a, layer, want, stamp, n_cand, next_cand):
     if n_cand < 0 and order.shape[0] > 0:  # walking the top R: next_cand is the position
         base = layer * c.num_experts
         j = next_cand
+        R = order.shape[2]
         if j == 0:  # the step's first substitute: start loading the next steps' rows
-            R = order.shape[2]
             row = (a * order.shape[1] + layer) * R
             prefetch(order, row + R)
             prefetch(order, row + 2 * R)
-        while j < order.shape[2]:
+        if j + 1 < R:  # the next two candidates tested together: one branch, not one each
+            y0 = ix(base + order[a, layer, j])
+            y1 = ix(base + order[a, layer, j + 1])
+            ok0 = core.resident[y0] != 0
+            if ok0 | (core.resident[y1] != 0):
+                return (y0, n_cand, j + 1) if ok0 else (y1, n_cand, j + 2)
+            j += 2
+        while j < R:
             y = ix(base + order[a, layer, j])
             j += 1
-            if core.resident[y] and core.mark[y] != stamp:
+            if core.resident[y]:
                 return y, n_cand, j
         n_cand, next_cand = -1, 0  # none of the R is eligible: the exact scan from here on
     if n_cand < 0:
