@@ -312,8 +312,10 @@ NOTES = """\
   (`eviction/_lfu_scan.py`). lru's is (ordinal of the last use, id), where the miss rule leaves
   misses: a step then uses about 9.7 residents and evicts 0.35, where fetch_all + LRU evicts 1.9
   a step, and there the lists stay faster (17.6 against 11.7 ms on a scan; `eviction/_lru_scan.py`).
-  Neither applies where experts arrive in the background or the run's length is not known (the
-  keys' widths). The probe's scan above was much faster than the engine's first one (33.4 ms,
+  lru's does not apply where experts arrive in the background (an arrival's trim must keep the
+  step's selections, which a list's marks tell and an ordinal does not), neither where the run's
+  length is not known or the keys would not fit 62 bits (lfu at the Qwen3-Next shape: runs of
+  fewer than 2^20 tokens); those runs keep the heap or the lists. The probe's scan above was much faster than the engine's first one (33.4 ms,
   slower than the heap's 28): indexed as `keys[off + j]`, a signed index Numba may have to wrap,
   the pass is not vectorised (46 ns for 138 keys, against 9.7 ns indexed from 0 in a view of
   the pool). Side by side (79bed13 against d3e5b95, `docs/bench/trees_side_by_side.py`, the
@@ -324,7 +326,30 @@ NOTES = """\
   rounds fetch_all + LFU went from 0.43x to 0.53-0.56x the lookups/s of fetch_all + LRU, and
   rule015 + LRU from 0.59x to 0.64-0.68x. In one process (11 rounds, CPU time of the whole
   run): at 32 residents a layer (Qwen3-30B-A3B, 8,192 tokens) fetch_all + LFU ran at 0.54x
-  fetch_all + LRU, at Mixtral's 2 (65,536 tokens) at 0.85x.
+  fetch_all + LRU, at Mixtral's 2 (65,536 tokens) at 0.85x. Then lfu's keys also where experts
+  arrive in the background: an arrival that its own trim kept and the step did not select is
+  unused in the step (`state.FRESH`), which a key whose step is the trim's cannot tell; the
+  kernel now calls the eviction's optional `on_fresh` there, and the key takes a bit below its
+  id, with which the trim's pass does not read it as the step's. Side by side (d3e5b95 against
+  e7237ed, 3 processes per tree of 9 rounds): quality_first 3.06-3.20x -> 2.65-3.02x, speed_first
+  3.01-3.18x -> 2.62-2.95x, rule015 + LFU (1.79-1.83x / 1.81-1.85x) and fetch_all + LFU
+  (2.02-2.13x / 2.01-2.14x) unchanged. A first version tested residency in every use (before an
+  arrival the kernel uses each selection, resident or not): rule015 + LFU 1.80-1.86x ->
+  1.90-1.92x; a non-member's slot now points at a spare entry instead, so the store needs no
+  test.
+- **The logit walk, two candidates at once.** A substitution walks the token-layer's top-R order
+  from where the step's last one stopped; a candidate qualifies if it is resident (a selected
+  expert is not in the order, and a substitute the step used lies behind the walk's position, so
+  the walk's test of the marks could never fail). It tested one candidate per branch, taken at
+  random (1.67 candidates a substitution). It now tests the next two with one branch and picks
+  the first by a select. Side by side (668bdc9 against 5500809, 3 processes per tree of 9
+  rounds): rule015 + LRU 1.80-1.92x -> 1.60-1.62x the minimal kernel, quality_first 2.70-2.95x ->
+  2.53-2.75x, fetch_all + LRU unchanged; in one process (11 rounds) rule015 + LRU ran at 0.70x
+  fetch_all + LRU's lookups/s, quality_first at 0.43x. Four candidates at once were slower
+  (rule015 + LRU 1.71-1.80x); the two with their mark test kept, 1.71-1.79x (against 1.76-1.85x).
+  The steps with substituted mass are now counted from the mass histogram after the run, not in
+  each step (da09423 against 668bdc9: rule015 + LRU 1.80-1.85x -> 1.79-1.82x, within the noise;
+  one counter less).
 - **A first run from Parquet.** Timed over all the process's threads since 65647c8 (Arrow
   decoded row groups on a pool of its own, which the calling thread's CPU time left out: the
   earlier 39-51 % were of the calling thread), and since 6196993 after an untimed 64-token run
