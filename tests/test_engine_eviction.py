@@ -238,6 +238,24 @@ def test_a_view_of_the_first_tokens_keeps_the_packed_keys(monkeypatch):
     assert made
 
 
+def test_a_chunk_cut_from_a_longer_trace_keeps_its_group_ordinals(monkeypatch):
+    """An in-memory source of a trace's later tokens (group ordinals above its token count) is
+    bounded by its last ordinal: the packed keys fit, and the results are the reference's."""
+    from simulator.engine import token_bound
+    from traces.format import ArraySource, slice_chunk
+
+    source = random_trace(np.random.default_rng(31))
+    half = source.num_tokens // 2
+    while source.chunk.group[half] == source.chunk.group[half - 1]:  # a whole group
+        half += 1
+    later = ArraySource(source.meta, slice_chunk(source.chunk, half, source.num_tokens))
+    assert token_bound(later) == int(source.chunk.group[-1]) + 1 > later.num_tokens
+    made = []
+    monkeypatch.setattr(LFU_SCAN, "make_state", lambda *args, f=LFU_SCAN.make_state: made.append(1) or f(*args))
+    run_both(later, make_params(source.meta, eviction="lfu"))
+    assert made
+
+
 def test_a_run_set_up_for_fewer_tokens_refuses_a_longer_chunk():
     source = random_trace(np.random.default_rng(23))
     p = make_params(source.meta, eviction="lfu")

@@ -1831,6 +1831,13 @@ class ArraySource:
     def num_tokens(self) -> int:
         return self.chunk.num_tokens
 
+    @property
+    def token_bound(self) -> int:
+        """Above the tokens and every group ordinal here (a chunk cut from a longer trace keeps
+        the trace's ordinals)."""
+        last = int(self.chunk.group[-1]) + 1 if self.chunk.num_tokens else 0
+        return max(self.chunk.num_tokens, last)
+
     def iter_chunks(self, max_tokens: int | None = None, *, logits: bool = True,
                     order_r: int = 0, stored_ids: bool = False) -> Iterator[TraceChunk]:
         """Sub-chunks of at most ``max_tokens`` tokens (a longer group comes whole); None: all.
