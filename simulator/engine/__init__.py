@@ -30,8 +30,9 @@ def make_engine(params: SimParams, meta: TraceMeta, engine: str = "numba",
                 first_use: np.ndarray | None = None, observer=None, layout: Layout | None = None,
                 num_tokens: int | None = None):
     """A fresh simulator of ``engine`` for ``params`` on a trace with ``meta`` (``layout``:
-    what :func:`check_params` returned for them, else derived again; ``num_tokens``: the
-    trace's tokens where known, a bound some kernel structures are sized by)."""
+    what :func:`check_params` returned for them, else derived again; ``num_tokens``: a bound
+    on the run's tokens and group ordinals where known, :func:`token_bound`, which some kernel
+    structures are sized by)."""
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if engine == "numba":

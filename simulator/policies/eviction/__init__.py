@@ -37,8 +37,8 @@ them; a later insertion stores its own step).
 Optional ``kernel_hooks(params, layout, needs, num_tokens) -> (module, state) | None``: another
 module with the same kernel hooks and the same victims, and its state, for the runs where it is
 faster (``num_tokens``: a bound on the run's tokens where the source knows it, else None); the
-kernel is then compiled with that module in place of the variant's own (lfu's packed keys for
-small per-layer pools: ``_lru_scan``, ``_lfu_scan``). The reference twin stays the one.
+kernel is then compiled with that module in place of the variant's own (lru's and lfu's packed
+keys for small per-layer pools: ``_lru_scan``, ``_lfu_scan``). The reference twin stays the one.
 Optional ``on_fresh(core, st, c, x, p)``: x, a background arrival its own trim kept, is left
 ``state.FRESH`` (not used in the step: a later trim of the step may evict it); the kernel calls it
 right after, for a structure that tells a step's used residents by their keys.
