@@ -20,6 +20,7 @@ from simulator.engine.nextuse import NextUseFile, after_group
 from simulator.engine.reference import ReferenceSimulator
 from simulator.policies import kernel_needs
 from simulator.policies.eviction import REGISTRY as EVICTIONS
+from simulator.policies.eviction import _belady_scan as BELADY_SCAN
 from simulator.policies.eviction import _lfu_scan as LFU_SCAN
 from simulator.policies.eviction import _lru_scan as LRU_SCAN
 from traces.format import PHASE_DECODE, slice_chunk
@@ -64,10 +65,11 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
         if isinstance(st, D.Lists):
             assert sorted(_walk(st, p)) == members
             continue
-        if isinstance(getattr(st, "pool", None), D.Packed):  # lfu's or lru's packed keys (kernel_hooks)
+        if isinstance(getattr(st, "pool", None), D.Packed):  # packed keys (kernel_hooks)
             off, n = int(sim.layout.pool_offset[p]), int(st.pool.count[p])
             keys = st.pool.keys[off : off + n]
-            shift = 1 if hasattr(st, "freq_shift") else 0  # lfu's bit 0: a fresh arrival
+            # lfu's bit 0: a fresh arrival; belady's step of the last use below the id
+            shift = 1 if hasattr(st, "freq_shift") else getattr(st, "id_shift", 0)
             ids = ((keys >> shift) & ((1 << st.id_bits) - 1)).tolist()
             assert sorted(ids) == members
             assert all(st.pool.slot[x] == off + i for i, x in enumerate(ids))
@@ -77,6 +79,8 @@ def check_kernel_state(sim: KernelSimulator) -> set[int]:
             if hasattr(st, "freq_shift"):  # lfu: the count as stored is the count
                 assert ((keys >> st.freq_shift) == core.freq[ids].astype(np.int64)).all()
                 assert ((keys & 1) == 1).tolist() == (core.fresh[ids] == S.FRESH).tolist()  # arrivals left fresh
+            elif hasattr(st, "far"):  # belady: the next use as stored is the next use
+                assert ((keys >> st.far_shift) == st.far[ids]).all()
             else:  # lru: ordinals are unique
                 assert len(set((keys >> st.id_bits).tolist())) == n
             continue
@@ -157,26 +161,27 @@ def _hooks(p, source):
     return EVICTIONS[p.eviction].kernel_hooks(p, layout, kernel_needs(p, layout), source.num_tokens)
 
 
-SCANS = {"lfu": LFU_SCAN, "lru": LRU_SCAN}
+SCANS = {"lfu": LFU_SCAN, "lru": LRU_SCAN, "belady": BELADY_SCAN}
 
 
 @pytest.mark.parametrize("eviction", list(SCANS))
 @pytest.mark.parametrize("seed", range(12))
 def test_packed_keys_give_the_same_results(eviction, seed, monkeypatch):
-    """Where lfu (undecayed) or lru (with misses left to the miss action, nothing in the
-    background) runs on packed keys (small per-layer pools: their kernel_hooks), the results
-    equal the reference's and those of the heap or lists, field by field, with every miss rule
-    and action, admissions and prefetches (lfu), warm starts, prompts, chunks of any size and
-    pools down to one expert (a trim that must evict a resident the step used)."""
+    """Where lfu (undecayed), lru (with misses left to the miss action, nothing in the
+    background) or belady (nothing in the background) runs on packed keys (small per-layer
+    pools: their kernel_hooks), the results equal the reference's and those of the heap or
+    lists, field by field, with every miss rule and action, admissions and prefetches (lfu),
+    warm starts, prompts, chunks of any size and pools down to one expert (a trim that must
+    evict a resident the step used)."""
     rng = np.random.default_rng(5 * 10**6 + seed)
     source = random_trace(rng)
-    rules = ["fetch_all", "rule015", "substitute_all", "first_choice"] if eviction == "lfu" else \
-        ["substitute_all", "rule015", "first_choice"]
+    rules = ["substitute_all", "rule015", "first_choice"] if eviction == "lru" else \
+        ["fetch_all", "rule015", "substitute_all", "first_choice"]
     p = random_params(rng, source.meta, eviction=eviction, rule=rules[seed % len(rules)])
     p = dataclasses.replace(p, lfu_decay=1.0, scope="per_layer",
                             pool_budget_bytes=p.pool_budget_bytes[:1].repeat(source.meta.num_layers))
-    if eviction == "lru":  # its keys do not tell the residents a background arrival's trim must keep
-        p = dataclasses.replace(p, beta=math.inf)
+    if eviction != "lfu":  # their keys do not tell the residents a background arrival's trim must keep
+        p = dataclasses.replace(p, beta=math.inf, prefetch="none")
     elif seed % 4 == 1:  # lfu with background arrivals: prefetches besides any admissions
         p = dataclasses.replace(p, prefetch="topp", predictor="previous")
     if _hooks(p, source) is None and eviction == "lru":  # top-1 under rule015 leaves no miss
@@ -194,8 +199,8 @@ def test_packed_keys_give_the_same_results(eviction, seed, monkeypatch):
 
 def test_packed_keys_only_where_they_apply():
     """The packed keys need the run's length, a pool per layer of at most SCAN_MAX_RESIDENTS
-    experts and keys within 62 bits; lfu's also no decay, lru's nothing arriving in the
-    background and a miss rule that leaves misses (else the lists are faster)."""
+    experts and keys within 62 bits; lfu's also no decay, lru's and belady's nothing arriving
+    in the background, lru's a miss rule that leaves misses (else the lists are faster)."""
     from simulator.engine.layout import make_layout
     from simulator.policies.eviction._base import SCAN_MAX_RESIDENTS
 
@@ -206,6 +211,7 @@ def test_packed_keys_only_where_they_apply():
                             pool_budget_bytes=np.full(source.meta.num_layers, 2 * max(p.expert_bytes)))
     assert _hooks(dataclasses.replace(p, beta=0.5), source) is not None  # lfu: also with admissions
     assert _hooks(dataclasses.replace(p, eviction="lru", beta=0.5), source) is None
+    assert _hooks(dataclasses.replace(p, eviction="belady", beta=0.5), source) is None
     for eviction in SCANS:
         q = dataclasses.replace(p, eviction=eviction)
         assert _hooks(q, source) is not None
@@ -221,6 +227,9 @@ def test_packed_keys_only_where_they_apply():
     assert _hooks(dataclasses.replace(p, eviction="lru", protect_ranks=0, tau=0.0), source) is None  # fetch_all
     assert LFU_SCAN.key_widths(24576, 48, 2**19) is not None  # half a million tokens of Qwen3-Next
     assert LFU_SCAN.key_widths(24576, 48, 2**20) is None  # a million: the keys would not fit
+    assert BELADY_SCAN.key_widths(24576, 48, 2**17) is not None  # 131,072 tokens of Qwen3-Next
+    assert BELADY_SCAN.key_widths(24576, 48, 2**18) is None
+    assert _hooks(dataclasses.replace(p, eviction="belady", protect_ranks=0, tau=0.0), source) is not None
 
 
 def test_a_view_of_the_first_tokens_keeps_the_packed_keys(monkeypatch):

@@ -474,7 +474,7 @@ class KernelSimulator:
         mods = modules(names)
         # an eviction may run this choice with other hooks of the same victims (``kernel_hooks``)
         hooks = getattr(mods["eviction"], "kernel_hooks", None)
-        hooks = hooks(params, self.layout, needs, num_tokens) if hooks is not None else None
+        hooks = hooks(params, self.layout, needs, num_tokens, first_use) if hooks is not None else None
         self.kernels = kernels(tuple(names.items()), needs, hooks[0].__name__ if hooks else None)
         self.num_tokens = num_tokens  # the most tokens run_chunk may see (the hooks' bound)
         self._seen_tokens = 0

@@ -8,7 +8,8 @@ Kernel (jitted; ``core``: :class:`simulator.engine.state.CoreState`, ``st``: the
 ``State``, ``c``: :class:`simulator.engine.state.Consts`, x a flat expert id, p its pool, s the
 step ordinal):
 
-- ``make_state(params, layout) -> State`` (Python)
+- ``make_state(params, layout, first_use=None) -> State`` (Python; ``first_use``: each expert's
+  first selection's group, for an eviction that reads the future)
 - ``on_insert(core, st, c, x, p, s)``: x became resident (an insertion is a use)
 - ``on_use(core, st, c, x, p, s)``: a hit or a substitute's use of resident x. Where a decode
   step has no background arrival and no variant reads its selections before its lookups (no
@@ -34,11 +35,12 @@ selected in the step and not used. Before a step's first background arrival the 
 ``on_use`` for each of the step's selections, resident or not, so that the arrival's trim keeps
 them; a later insertion stores its own step).
 
-Optional ``kernel_hooks(params, layout, needs, num_tokens) -> (module, state) | None``: another
-module with the same kernel hooks and the same victims, and its state, for the runs where it is
-faster (``num_tokens``: a bound on the run's tokens where the source knows it, else None); the
-kernel is then compiled with that module in place of the variant's own (lru's and lfu's packed
-keys for small per-layer pools: ``_lru_scan``, ``_lfu_scan``). The reference twin stays the one.
+Optional ``kernel_hooks(params, layout, needs, num_tokens, first_use=None) -> (module, state) |
+None``: another module with the same kernel hooks and the same victims, and its state, for the
+runs where it is faster (``num_tokens``: a bound on the run's tokens where the source knows it,
+else None; ``first_use``: as ``make_state``'s); the kernel is then compiled with that module in
+place of the variant's own (lru's, lfu's and belady's packed keys for small per-layer pools:
+``_lru_scan``, ``_lfu_scan``, ``_belady_scan``). The reference twin stays the one.
 Optional ``on_fresh(core, st, c, x, p)``: x, a background arrival its own trim kept, is left
 ``state.FRESH`` (not used in the step: a later trim of the step may evict it); the kernel calls it
 right after, for a structure that tells a step's used residents by their keys.

@@ -4,7 +4,9 @@ infinitely far); ties by the lower id.
 Needs the future: a reverse pre-pass (simulator.engine.nextuse) gives every selection the group
 of the same expert's next selection. An expert's next use advances at the start of each step
 that selects it. Kernel: an indexed min-heap per pool keyed (0, -next-use step), re-keyed
-eagerly at every selection of a resident (one sift toward the top: a next use only moves later).
+eagerly at every selection of a resident (one sift toward the top: a next use only moves later);
+small per-layer pools run the same order from packed keys, scanned
+(:mod:`simulator.policies.eviction._belady_scan`, chosen by :func:`kernel_hooks`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,17 @@ def next_use_step(next_group, layer, num_layers):
 
 
 _next_use_step = jit(next_use_step, allocates=False)
+
+
+def kernel_hooks(params, layout, needs, num_tokens, first_use=None):
+    """The packed keys of :mod:`simulator.policies.eviction._belady_scan` and their state where
+    they apply (small per-layer pools, nothing in the background, a run short enough for the
+    keys); None: this module's heap."""
+    from simulator.policies.eviction import _belady_scan
+
+    if not _belady_scan.applies(params, layout, needs.background, num_tokens):
+        return None
+    return _belady_scan, _belady_scan.make_state(params, layout, num_tokens, first_use)
 
 
 class State(NamedTuple):

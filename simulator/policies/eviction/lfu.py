@@ -58,7 +58,7 @@ def make_state(params, layout, first_use=None):
                  np.zeros(pools, np.int64))
 
 
-def kernel_hooks(params, layout, needs, num_tokens):
+def kernel_hooks(params, layout, needs, num_tokens, first_use=None):
     """Another module of these hooks with the same victims, and its state, where it runs
     ``params`` faster (``needs``: simulator.policies.KernelNeeds; ``num_tokens``: at most the
     run's tokens, None if not known); None: this module's."""

@@ -28,7 +28,7 @@ make_state = make_pool_lists
 STEP_USES_LAST = True
 
 
-def kernel_hooks(params, layout, needs, num_tokens):
+def kernel_hooks(params, layout, needs, num_tokens, first_use=None):
     """The ordinal-keyed scan of :mod:`simulator.policies.eviction._lru_scan` and its state where
     it applies and pays (a miss rule that leaves misses: more uses than victims a step); None:
     this module's lists."""
