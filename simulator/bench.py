@@ -302,7 +302,7 @@ NOTES = """\
   minimal one): about a fifth to gain there, where the target is not set; at Mixtral's 2 (65,536
   tokens) the engine's LFU is already at 1.35x its LRU. Built into the engine since da25c50:
   *Packed keys in small per-layer pools*, below.
-- **Packed keys in small per-layer pools.** lfu and lru may run their order on another structure
+- **Packed keys in small per-layer pools.** lfu, lru and belady may run their order on another structure
   with the same victims where it is faster (an eviction's optional `kernel_hooks`; the twin is
   the one reference, and `tests/test_engine_eviction.py` runs both structures against it). Each
   per-layer pool of at most 384 residents keeps its residents' keys in one int64 each
@@ -336,7 +336,13 @@ NOTES = """\
   (2.02-2.13x / 2.01-2.14x) unchanged. A first version tested residency in every use (before an
   arrival the kernel uses each selection, resident or not): rule015 + LFU 1.80-1.86x ->
   1.90-1.92x; a non-member's slot now points at a spare entry instead, so the store needs no
-  test.
+  test. belady runs packed keys too (`eviction/_belady_scan.py`, where nothing arrives in the
+  background): (how far the next selection is, id, step of the last use), the step below the id
+  so that it decides no order and tells the trim's pass the step's uses; every selection stores
+  its resident's key (its next use moves), where the heap sifted it. Side by side (04a8e0f
+  against 9072ee1, 3 processes per tree of 9 rounds): belady 4.13-4.25x -> 2.17-2.24x the
+  minimal kernel, fetch_all + LRU unchanged (1.14-1.15x / 1.15-1.17x). Against the reference on
+  the bench's prefixes (one process, medians of 7): Qwen3-30B-A3B 91x -> 165x, Qwen3-Next 134x.
 - **The logit walk, two candidates at once.** A substitution walks the token-layer's top-R order
   from where the step's last one stopped; a candidate qualifies if it is resident (a selected
   expert is not in the order, and a substitute the step used lies behind the walk's position, so
