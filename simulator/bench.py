@@ -342,7 +342,7 @@ NOTES = """\
   its resident's key (its next use moves), where the heap sifted it. Side by side (04a8e0f
   against 9072ee1, 3 processes per tree of 9 rounds): belady 4.13-4.25x -> 2.17-2.24x the
   minimal kernel, fetch_all + LRU unchanged (1.14-1.15x / 1.15-1.17x). Against the reference on
-  the bench's prefixes (one process, medians of 7): Qwen3-30B-A3B 91x -> 165x, Qwen3-Next 134x.
+  the bench's prefixes (one process, medians of 7): Qwen3-30B-A3B 91x -> 165x, Qwen3-Next 84x -> 134x.
 - **The logit walk, two candidates at once.** A substitution walks the token-layer's top-R order
   from where the step's last one stopped; a candidate qualifies if it is resident (a selected
   expert is not in the order, and a substitute the step used lies behind the walk's position, so
