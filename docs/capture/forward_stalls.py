@@ -146,14 +146,7 @@ for label in samples:  # drop the untimed first pass
 def per_forward(label):
     """Per forward of every round but each pass's first (the capture's includes the writer's open
     in its samples): (wall s, thread CPU s, switches, collections, gc s, steal ticks)."""
-    out = []
-    for walls, rows in zip(timed[label], samples[label], strict=True):
-        for i, wall in enumerate(walls[:-1]):
-            if i == 0:
-                continue
-            a, b = rows[i], rows[i + 1]
-            out.append((wall, b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3] - a[3], b[4] - a[4]))
-    return out
+    return gpu_passes.probe_deltas(timed[label], samples[label])
 
 
 fast = statistics.quantiles([f[0] for f in per_forward("forward")], n=4)[0]  # the forward alone's first quartile

@@ -120,6 +120,18 @@ def timed_rounds(passes: dict, rounds: int) -> dict[str, list[list[float]]]:
     return timed
 
 
+def probe_deltas(walls: list[list[float]], samples: list[list[tuple]]) -> list[tuple]:
+    """Per forward of every round but each pass's first (the capture's includes the writer's
+    open): its wall seconds, then the change of each field of the probe's samples over it
+    (``walls``: :func:`timed_rounds`' runs of one pass; ``samples``: per run, one tuple at each
+    mark)."""
+    out = []
+    for run, rows in zip(walls, samples, strict=True):
+        for i, wall in enumerate(run[1:-1], start=1):
+            out.append((wall, *(b - a for a, b in zip(rows[i], rows[i + 1], strict=True))))
+    return out
+
+
 def summarise(timed: dict[str, list[list[float]]], pairs: tuple[tuple[str, str], ...] = ()) -> dict:
     """What :func:`timed_rounds` measured, per pass: its median length, its overhead over the
     ``forward`` pass (the ratio of the medians, with a 95 % bootstrap interval over the rounds),

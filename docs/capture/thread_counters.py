@@ -122,14 +122,7 @@ for label in samples:  # drop the untimed first pass
 
 def per_forward(label):
     """Per forward (each pass's first left out): (wall s, thread CPU s, cycles, instructions)."""
-    out = []
-    for walls, rows in zip(timed[label], samples[label], strict=True):
-        for i, wall in enumerate(walls[:-1]):
-            if i == 0:
-                continue
-            a, b = rows[i], rows[i + 1]
-            out.append((wall, b[0] - a[0], b[1] - a[1], b[2] - a[2]))
-    return out
+    return gpu_passes.probe_deltas(timed[label], samples[label])
 
 
 summary = gpu_passes.summarise(timed)
