@@ -7,7 +7,10 @@ Prints one Markdown report and writes it with ``--out`` (``make bench``: docs/BE
 - libCacheSim's ``process_trace`` on the identical request stream (miss counts, ratio);
 - JIT start-up cold (an empty ``NUMBA_CACHE_DIR``) and from the cache;
 - one-pass miss-ratio curves against per-size runs; many configurations on two cores;
-- a 1,000,000-token Qwen3-Next-shaped trace streamed from Parquet (peak RSS).
+- a 1,000,000-token Qwen3-Next-shaped trace streamed from Parquet (peak RSS);
+- a first run from Parquet at the target's size (51,200 tokens of the Qwen3-Next shape with full
+  logits: a 2.5 GiB trace and its trace cache, written in ``--work-dir`` and removed after; with
+  the large trace beside them, the scratch folder holds up to about 8 GiB).
 
 Each measurement runs in a fresh subprocess (a *worker*), so peak memory is its own and JIT
 start-up can be timed cold. Throughput is the CPU time of the simulating thread (per core), the
