@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,18 @@ def test_unreadable_figures_stop_with_one_line_and_write_nothing(tmp_path, capsy
         main(["--from-json", str(tmp_path / "missing.json"), "--out", str(out)])
     assert "cannot be read" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_first_run_target_takes_the_run_at_its_size_where_there_is_one():
+    """The first-run target row is the run at FIRST_RUN_TARGET_TOKENS where the figures have it;
+    older figures (without it) still render, from the shape's own trace, and say so."""
+    figures = json.loads((DOCS / "benchmarks.json").read_text())
+    t = figures["first_run_target"]
+    row = next(line for line in render(figures).splitlines() if "of a first run's CPU" in line)
+    share = statistics.median(t["cache_cpu_s"]) / statistics.median(t["parquet_cpu_s"])
+    assert f"{t['tokens']:,} tokens)" in row and f"| {share:.0%} |" in row
+    del figures["first_run_target"]
+    page = render(figures)
+    row = next(line for line in page.splitlines() if "of a first run's CPU" in line)
+    lead = figures["shapes"]["Qwen3-Next-80B-A3B"]
+    assert f"{lead['shape']['tokens']:,} tokens)" in row and "At the target's size" not in page
