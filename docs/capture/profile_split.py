@@ -76,8 +76,17 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--json")
     args = p.parse_args()
-    with (gzip.open(args.raw, "rt") if args.raw.endswith(".gz") else open(args.raw)) as f:
-        got = split(f)
+    if args.rate <= 0 or args.passes < 1:
+        p.error(f"--rate {args.rate} and --passes {args.passes}: give a rate > 0 and at least one pass")
+    try:
+        with (gzip.open(args.raw, "rt") if args.raw.endswith(".gz") else open(args.raw)) as f:
+            got = split(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SystemExit(f"profile_split: {args.raw} is not py-spy's raw output ({e}); "
+                         "record with `py-spy record -f raw`") from None
+    if not got["per_pass"]:
+        raise SystemExit(f"profile_split: {args.raw} holds no samples of recording_profile.py's passes on "
+                         "MainThread; record it with `py-spy record --threads -f raw`")
     ms = 1e3 / args.rate / args.passes  # one sample, in ms per pass
     out = {"ms_per_pass": {k: round(v * ms, 1) for k, v in got["per_pass"].items()}}
     for where in ("recording", "capture", "forward"):
