@@ -115,6 +115,32 @@ def test_units_are_cut_as_views_of_the_written_blocks():
         np.testing.assert_array_equal(v, cols[name][2:62], err_msg=name)
 
 
+def test_an_encoder_joins_a_unit_that_spans_blocks_in_memory_it_keeps():
+    """An encoder process joins the pieces of a unit that spans blocks as ``_joined`` does, in
+    memory it keeps for the next such unit (new memory each time cost it page faults); a unit of
+    one piece stays a view of its block."""
+    from traces.capture.writer import _cut, _joined, _Mapped
+
+    _, cols = trace_columns()
+    written = blocks(cols, [3, 50, 51, 200])
+    state = _Mapped()
+    one, rest, offset = _cut(written, 0, 2)
+    assert state.joined(one) is one[0]
+    first, rest, offset = _cut(rest, offset, 160)  # tokens 2..161, across four blocks
+    assert len(first) == 4
+    joined = state.joined(first)
+    for name, v in _joined(first).items():
+        np.testing.assert_array_equal(joined[name], v, err_msg=name)
+        assert joined[name].dtype == v.dtype and joined[name].shape == v.shape
+    addresses = {name: v.ctypes.data for name, v in joined.items()}
+    second, _, _ = _cut(rest, offset, 60)  # tokens 162..221, across two blocks: fewer, in the same memory
+    assert len(second) == 2
+    again = state.joined(second)
+    for name, v in again.items():
+        np.testing.assert_array_equal(v, cols[name][162:222], err_msg=name)
+        assert v.ctypes.data == addresses[name], name
+
+
 @pytest.mark.parametrize(("unit_tokens", "workers", "processes"),
                          [(7, 3, False), (64, 2, False), (1000, 1, False), (7, 3, True), (1000, 1, True)])
 def test_parallel_writer_writes_what_one_writer_writes(tmp_path, unit_tokens, workers, processes):

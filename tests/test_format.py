@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,14 @@ from traces.format import (
 )
 
 L, E, K = 3, 16, 2
+
+
+@dataclass
+class Band:
+    """A dataclass a caller might leave in ``TraceMeta.extra``."""
+
+    low: float
+    edges: list
 
 
 def make_meta(**overrides) -> TraceMeta:
@@ -493,6 +501,25 @@ def test_top_r_logits_round_trip(top_r_file, tmp_path, capsys):
     assert f"logits top-{R}, residency yes" in capsys.readouterr().out
     # all-E traces keep the metadata JSON earlier readers know
     assert "logits_top_r" not in json.loads(make_meta().to_json())
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(logits_top_r=8, lookahead_depth=2, lookahead_top_r=4, lookahead_source="moe_input"),
+    dict(extra={"versions": {"torch": "2.13", "sizes": (1, 2)}, "windows": [[1, 2], (3,)], "band": Band(0.5, [1.0])}),
+])
+def test_the_metadata_json_is_the_one_a_deep_copy_of_the_fields_gives(overrides):
+    """``to_json`` reads the fields as they are: the JSON (keys sorted, defaults left out as
+    earlier versions wrote them) is the one :func:`dataclasses.asdict` gives, with nested dicts,
+    lists, tuples and a dataclass inside ``extra``; and a value JSON cannot hold is refused."""
+    meta = make_meta(**overrides)
+    values = asdict(meta)
+    for name in ("logits_top_r", "lookahead_depth", "lookahead_top_r", "lookahead_source"):
+        if not values[name]:
+            del values[name]
+    assert meta.to_json() == json.dumps(values, sort_keys=True)
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        make_meta(extra={"ids": {1, 2}}).to_json()
 
 
 def test_top_r_keeps_the_selected_experts_when_the_router_did_not_pick_the_highest(tmp_path):

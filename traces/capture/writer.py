@@ -462,12 +462,32 @@ def _stored_block(stored: dict[str, np.ndarray]) -> tuple[str, int, list]:
 
 class _Mapped:
     """The encoder's maps of the blocks and slabs it reads, the last :data:`KEEP` of them (a
-    slab is lent again and again, so its map is made once)."""
+    slab is lent again and again, so its map is made once); and the memory it joins the pieces of
+    a unit that spans blocks in (:meth:`joined`), kept for the next such unit."""
 
     KEEP = 16
 
     def __init__(self):
         self.blocks: dict[tuple[str, int], _Shared] = {}
+        self._join: dict[str, np.ndarray] = {}  # per column, bytes
+
+    def joined(self, pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """:func:`_joined` in memory this encoder keeps: valid until its next call. A unit that
+        spans two blocks (most of them, where a forward's block is not a whole number of units)
+        had its columns joined in new memory each time: 900 pages of it to fault in and clear per
+        3,206-token unit of the small Qwen3-Next shape, about a seventh of an encoder's CPU on the
+        2-core development machine (``python -m traces.capture.writer_cost``)."""
+        if len(pieces) == 1:
+            return pieces[0]
+        out = {}
+        for name, first in pieces[0].items():
+            shape = (sum(p[name].shape[0] for p in pieces), *first.shape[1:])
+            nbytes = first.dtype.itemsize * int(np.prod(shape))
+            memory = self._join.get(name)
+            if memory is None or memory.size < nbytes:
+                memory = self._join[name] = np.empty(nbytes, np.uint8)
+            out[name] = np.concatenate([p[name] for p in pieces], out=memory[:nbytes].view(first.dtype).reshape(shape))
+        return out
 
     def get(self, path: str, size: int) -> _Shared:
         block = self.blocks.pop((path, size), None) or _Shared(size, path)
@@ -487,7 +507,7 @@ def _encode_request(state: _Mapped, request):
     again (an entry for every offset the join rewrites)."""
     sources, part, meta, unit_tokens, after, in_place = request
     pieces = [_views(state.get(path, size).map, layout) for path, size, layout in sources]
-    given = _joined(pieces)
+    given = state.joined(pieces)  # the stored columns are either these (in place) or copied below
     stored = _write_part(part, meta, unit_tokens, after, given)
     if in_place and _same_arrays(stored, given):
         return None
