@@ -64,6 +64,39 @@ print("ok")
 """
 
 
+NLL_KERNEL_CHECK = """
+import numpy as np, torch
+from traces.capture import nll
+lse_kernel, nll_kernel = nll._kernel(), nll._nll_kernel()
+gen = torch.Generator().manual_seed(5)
+for (B, S, V), dtype in [((3, 7, 1000), torch.bfloat16), ((2, 5, 300), torch.float16), ((1, 4, 2048), torch.float32)]:
+    lm = (torch.randn(B, S, V, generator=gen) * 6).to(dtype)
+    lm[0, 1, 3] = 60000 if dtype != torch.bfloat16 else 1e30
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    x = lm.reshape(B * S, V)
+    fused = torch.empty(B, S)
+    nll_kernel[(B * S,)](x, ids.reshape(-1), fused, S, V, x.stride(0), BLOCK=256)
+    lse = torch.empty(B * S)
+    lse_kernel[(B * S,)](x, lse, V, x.stride(0), BLOCK=256)
+    apart = torch.full((B, S), float("nan"))
+    apart[:, 1:] = lse.view(B, S)[:, :-1] - lm[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).float()
+    assert torch.isnan(fused[:, 0]).all()
+    assert torch.equal(fused[:, 1:], apart[:, 1:]), (fused - apart).abs().max()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_nll_kernel_is_the_log_sum_exp_kernel_less_the_target_bit_for_bit():
+    """The fused kernel that :func:`nll.token_nll` runs on CUDA, in Triton's interpreter: NaN at
+    each window's first token, and elsewhere exactly the log-sum-exp kernel's value of the row
+    before less that row's logit of the token, as the unfused path computed it."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", NLL_KERNEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_one_pass_kernel_equals_logsumexp():
     """The kernel in Triton's interpreter (CPU tensors; a process of its own, since the
@@ -84,6 +117,7 @@ def test_a_kernel_that_fails_falls_back_once_with_a_warning(monkeypatch, broken_
     """A host where Triton cannot compile the kernel: one warning, the same NLL, no retry."""
     kernel, calls = broken_kernel
     monkeypatch.setattr(nll, "_kernel", lambda: kernel)
+    monkeypatch.setattr(nll, "_nll_kernel", lambda: kernel)
     monkeypatch.setattr(nll, "_FAILED", [])
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     lm = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(4))
