@@ -21,12 +21,15 @@ LSE_BLOCK = 2048  # logits one kernel program reads per iteration (a row is read
 
 
 @triton_kernel
-def _kernel(triton, tl):
-    """The Triton log-sum-exp kernel, or None when Triton is not installed."""
+def _kernels(triton, tl):
+    """The Triton kernels (log-sum-exp of each row; each token's NLL), or None when Triton is not
+    installed. Both take a row's log-sum-exp from ``_row_lse``, inlined: the same operations. A
+    kernel finds the functions it calls among its module's globals (Triton's interpreter finds
+    no others), so ``_row_lse`` is made one."""
+    global _row_lse
+
     @triton.jit
-    def lse_rows(x_ptr, out_ptr, cols, stride, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
+    def _row_lse(base, cols, BLOCK: tl.constexpr):
         # per lane: running maximum and sum of exp(x - maximum); finite start, so masked lanes
         # (-inf) add exp(-inf) = 0 instead of NaN
         m = tl.full([BLOCK], -3.0e38, tl.float32)
@@ -39,39 +42,39 @@ def _kernel(triton, tl):
             m = m_new
         top = tl.max(m, axis=0)
         total = tl.sum(s * tl.exp(m - top), axis=0)
-        tl.store(out_ptr + row, top + tl.log(total))
+        return top + tl.log(total)
 
-    return lse_rows
+    @triton.jit
+    def lse_rows(x_ptr, out_ptr, cols, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        tl.store(out_ptr + row, _row_lse(x_ptr + row * stride, cols, BLOCK))
 
-
-@triton_kernel
-def _nll_kernel(triton, tl):
-    """The Triton NLL kernel: program r (token s = r mod S of its window) writes NaN where s = 0,
-    else the log-sum-exp of logit row r - 1, as ``lse_rows`` computes it, less that row's logit
-    of token r (both float32): bit for bit what the log-sum-exp kernel and torch's gather and
-    difference give; or None when Triton is not installed."""
     @triton.jit
     def nll_rows(x_ptr, ids_ptr, out_ptr, S, cols, stride, BLOCK: tl.constexpr):
+        # program r (token s = r mod S of its window): NaN where s = 0, else the log-sum-exp of
+        # logit row r - 1 less that row's logit of token r, both float32: bit for bit what
+        # lse_rows and torch's gather and difference give
         row = tl.program_id(0).to(tl.int64)
         if row % S == 0:
             tl.store(out_ptr + row, float("nan"))
         else:
             base = x_ptr + (row - 1) * stride
-            m = tl.full([BLOCK], -3.0e38, tl.float32)
-            s = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, cols, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                x = tl.load(base + idx, mask=idx < cols, other=float("-inf")).to(tl.float32)
-                m_new = tl.maximum(m, x)
-                s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-                m = m_new
-            top = tl.max(m, axis=0)
-            total = tl.sum(s * tl.exp(m - top), axis=0)
-            lse = top + tl.log(total)
             target = tl.load(base + tl.load(ids_ptr + row).to(tl.int64)).to(tl.float32)
-            tl.store(out_ptr + row, lse - target)
+            tl.store(out_ptr + row, _row_lse(base, cols, BLOCK) - target)
 
-    return nll_rows
+    return lse_rows, nll_rows
+
+
+def _kernel():
+    """The log-sum-exp kernel, or None when Triton is not installed."""
+    kernels = _kernels()
+    return None if kernels is None else kernels[0]
+
+
+def _nll_kernel():
+    """The NLL kernel (:func:`token_nll`), or None when Triton is not installed."""
+    kernels = _kernels()
+    return None if kernels is None else kernels[1]
 
 
 _FAILED: list[str] = []  # the kernel's first error on this host: then never tried again
