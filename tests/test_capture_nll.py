@@ -113,19 +113,50 @@ def test_log_sum_exp_without_the_kernel():
     np.testing.assert_allclose(nll.log_sum_exp(x).numpy(), torch.logsumexp(x.double(), -1).numpy(), rtol=1e-6)
 
 
+def test_an_nll_kernel_that_fails_leaves_the_log_sum_exp_kernel_to_compute_it(monkeypatch, broken_kernel):
+    """A host where the one-kernel NLL fails but the log-sum-exp kernel runs: one warning, then
+    the NLL as before it (that kernel, torch's gather and difference), without another attempt."""
+    kernel, calls = broken_kernel
+    lse_calls = []
+
+    class Lse:  # the log-sum-exp kernel, in torch
+        def __getitem__(self, grid):
+            def launch(x, out, cols, stride, **kwargs):
+                lse_calls.append(grid)
+                out.copy_(torch.logsumexp(x.float(), dim=-1))
+            return launch
+
+    monkeypatch.setattr(nll, "_kernel", lambda: Lse())
+    monkeypatch.setattr(nll, "_nll_kernel", lambda: kernel)
+    monkeypatch.setattr(nll, "_FAILED", [])
+    monkeypatch.setattr(nll, "_NLL_FAILED", [])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    lm = torch.randn(2, 6, 30, generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, 30, (2, 6))
+    with pytest.warns(RuntimeWarning, match="one-kernel NLL failed"):
+        got = nll.token_nll(lm, ids)
+    again = nll.token_nll(lm, ids)
+    assert len(calls) == 1 and len(lse_calls) == 2 and not nll._FAILED
+    expected = reference_nll(lm.numpy(), ids.numpy())
+    for out in (got, again):
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_kernel_that_fails_falls_back_once_with_a_warning(monkeypatch, broken_kernel):
     """A host where Triton cannot compile the kernel: one warning, the same NLL, no retry."""
     kernel, calls = broken_kernel
     monkeypatch.setattr(nll, "_kernel", lambda: kernel)
     monkeypatch.setattr(nll, "_nll_kernel", lambda: kernel)
     monkeypatch.setattr(nll, "_FAILED", [])
+    monkeypatch.setattr(nll, "_NLL_FAILED", [])
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     lm = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(4))
     ids = torch.randint(0, 40, (2, 5))
-    with pytest.warns(RuntimeWarning, match="no compiler for this GPU"):
-        got = nll.token_nll(lm, ids)
+    with pytest.warns(RuntimeWarning, match="no compiler for this GPU") as warned:
+        got = nll.token_nll(lm, ids)  # the NLL kernel fails, then the log-sum-exp kernel
     again = nll.token_nll(lm, ids)  # the log_softmax path now, without another attempt
-    assert len(calls) == 1 and nll._FAILED == ["RuntimeError: no compiler for this GPU"]
+    assert len(warned) == 2 and "one-kernel NLL" in str(warned[0].message)
+    assert len(calls) == 2 and nll._FAILED == nll._NLL_FAILED == ["RuntimeError: no compiler for this GPU"]
     expected = reference_nll(lm.numpy(), ids.numpy())
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(again.numpy(), expected, rtol=1e-5, atol=1e-5)

@@ -78,6 +78,7 @@ def _nll_kernel():
 
 
 _FAILED: list[str] = []  # the kernel's first error on this host: then never tried again
+_NLL_FAILED: list[str] = []  # the NLL kernel's: then the log-sum-exp kernel and torch take its place
 
 
 def uses_kernel(x: torch.Tensor) -> bool:
@@ -105,11 +106,13 @@ def log_sum_exp(x: torch.Tensor) -> torch.Tensor:
 def token_nll(lm_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Teacher-forced NLL (nats) of each token given the ones before it: float32[B, S], NaN at 0.
 
-    NLL of token s = log-sum-exp of the logits at s - 1 minus the logit of token s there. Without
-    the kernel: ``log_softmax`` accumulating in float32, a few windows at a time.
+    NLL of token s = log-sum-exp of the logits at s - 1 minus the logit of token s there. On CUDA
+    with Triton, one kernel computes it; where that kernel fails on a host, the log-sum-exp kernel
+    and torch's gather and difference do (the same values); without either, ``log_softmax``
+    accumulating in float32, a few windows at a time.
     """
     B, S, V = lm_logits.shape
-    if S >= 2 and uses_kernel(lm_logits):
+    if S >= 2 and uses_kernel(lm_logits) and not _NLL_FAILED:
         x = lm_logits.reshape(B * S, V)
         x = x if x.stride(1) == 1 else x.contiguous()
         ids = input_ids.reshape(B * S)
@@ -119,9 +122,13 @@ def token_nll(lm_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
             _nll_kernel()[(B * S,)](x, ids, nll, S, V, x.stride(0), BLOCK=LSE_BLOCK, num_warps=8)
             return nll
         except Exception as e:  # noqa: BLE001 - e.g. a GPU or driver Triton cannot compile for
-            give_up(_FAILED, "the one-pass NLL kernel", "using log_softmax instead", e)
+            give_up(_NLL_FAILED, "the one-kernel NLL", "using the log-sum-exp kernel and torch instead", e)
     nll = torch.full((B, S), float("nan"), dtype=torch.float32, device=lm_logits.device)
     if S < 2:
+        return nll
+    if uses_kernel(lm_logits):  # the same values in a dozen calls
+        lse = log_sum_exp(lm_logits.reshape(B * S, V)).view(B, S)[:, :-1]
+        nll[:, 1:] = lse - lm_logits[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1).float()
         return nll
     rows = max(1, CHUNK_ELEMENTS // max(1, S * V))
     for b in range(0, B, rows):
