@@ -473,10 +473,10 @@ class _Mapped:
 
     def joined(self, pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """:func:`_joined` in memory this encoder keeps: valid until its next call. A unit that
-        spans two blocks (most of them, where a forward's block is not a whole number of units)
-        had its columns joined in new memory each time: 900 pages of it to fault in and clear per
-        3,206-token unit of the small Qwen3-Next shape, about a seventh of an encoder's CPU on the
-        2-core development machine (``python -m traces.capture.writer_cost``)."""
+        spans two blocks (two in five of the small Qwen3-Next shape's 3,206-token units at batch
+        16) had its columns joined in new memory each time: about 900 pages to fault in and clear
+        per unit on average; the writer's processes now take 0.91x the CPU per unit on the 2-core
+        development machine (``docs/capture/writer_cost_ab.py``, with ``TraceMeta.to_json``'s cut)."""
         if len(pieces) == 1:
             return pieces[0]
         out = {}
