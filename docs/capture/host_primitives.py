@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.rounds < 1:
         raise SystemExit(f"error: --rounds={args.rounds} must be at least 1")
+    if args.out is not None and not args.out.parent.is_dir():
+        raise SystemExit(f"error: --out {args.out}: folder {args.out.parent} does not exist; create it first")
     result = {"cpu": _cpu(), "rounds": args.rounds, **measure(args.rounds)}
     text = json.dumps(result, indent=1)
     print(text)

@@ -43,6 +43,8 @@ def _before():
     path = os.environ.get("BEFORE")
     if not path:
         return None
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: BEFORE={path} is not a file; give the nll.py of an earlier tree")
     spec = importlib.util.spec_from_file_location("nll_before", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{tree} holds no traces/capture/writer_cost.py; give a folder with the tree's traces/ and simulator/")
     if min(args.rounds, args.workers, args.forwards) < 1 or args.passes < 2:
         p.error("--rounds, --workers and --forwards must be at least 1, --passes at least 2")
+    if args.out is not None and not args.out.parent.is_dir():
+        raise SystemExit(f"error: --out {args.out}: folder {args.out.parent} does not exist; create it first")
     runs: dict[str, list[list[float]]] = {"a": [], "b": []}
     for r in range(args.rounds):
         for key in ("a", "b") if r % 2 == 0 else ("b", "a"):
