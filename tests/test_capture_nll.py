@@ -113,6 +113,15 @@ def test_log_sum_exp_without_the_kernel():
     np.testing.assert_allclose(nll.log_sum_exp(x).numpy(), torch.logsumexp(x.double(), -1).numpy(), rtol=1e-6)
 
 
+def on_a_gpu_host(monkeypatch, lse_kernel, nll_kernel) -> None:
+    """CPU tensors taken for CUDA ones, with these kernels, none failed yet."""
+    monkeypatch.setattr(nll, "_kernel", lambda: lse_kernel)
+    monkeypatch.setattr(nll, "_nll_kernel", lambda: nll_kernel)
+    monkeypatch.setattr(nll, "_FAILED", [])
+    monkeypatch.setattr(nll, "_NLL_FAILED", [])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+
 def test_an_nll_kernel_that_fails_leaves_the_log_sum_exp_kernel_to_compute_it(monkeypatch, broken_kernel):
     """A host where the one-kernel NLL fails but the log-sum-exp kernel runs: one warning, then
     the NLL as before it (that kernel, torch's gather and difference), without another attempt."""
@@ -126,11 +135,7 @@ def test_an_nll_kernel_that_fails_leaves_the_log_sum_exp_kernel_to_compute_it(mo
                 out.copy_(torch.logsumexp(x.float(), dim=-1))
             return launch
 
-    monkeypatch.setattr(nll, "_kernel", lambda: Lse())
-    monkeypatch.setattr(nll, "_nll_kernel", lambda: kernel)
-    monkeypatch.setattr(nll, "_FAILED", [])
-    monkeypatch.setattr(nll, "_NLL_FAILED", [])
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    on_a_gpu_host(monkeypatch, Lse(), kernel)
     lm = torch.randn(2, 6, 30, generator=torch.Generator().manual_seed(6))
     ids = torch.randint(0, 30, (2, 6))
     with pytest.warns(RuntimeWarning, match="one-kernel NLL failed"):
@@ -145,11 +150,7 @@ def test_an_nll_kernel_that_fails_leaves_the_log_sum_exp_kernel_to_compute_it(mo
 def test_a_kernel_that_fails_falls_back_once_with_a_warning(monkeypatch, broken_kernel):
     """A host where Triton cannot compile the kernel: one warning, the same NLL, no retry."""
     kernel, calls = broken_kernel
-    monkeypatch.setattr(nll, "_kernel", lambda: kernel)
-    monkeypatch.setattr(nll, "_nll_kernel", lambda: kernel)
-    monkeypatch.setattr(nll, "_FAILED", [])
-    monkeypatch.setattr(nll, "_NLL_FAILED", [])
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    on_a_gpu_host(monkeypatch, kernel, kernel)
     lm = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(4))
     ids = torch.randint(0, 40, (2, 5))
     with pytest.warns(RuntimeWarning, match="no compiler for this GPU") as warned:
