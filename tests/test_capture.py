@@ -760,6 +760,10 @@ def test_bench_measures_the_capture_defaults_and_prints_a_table(tmp_path, capsys
         hooks = {r["recording_stream"]: tuple(r["rounds_s"]["hooks"]) for r in same}
         assert all(tuple(r["rounds_s"]["hooks"]) == hooks[r["recording_stream"]] for r in same)
     assert result["device"] == "cpu"
+    import tempfile
+    assert result["page_cache"]["folder"] == tempfile.gettempdir()  # where the capture passes wrote
+    for r in result["runs"]:  # one timed pass each: the pages dirty and under writeback at its close
+        assert {k: len(v) for k, v in r["dirty_at_close_mib"].items()} == {"dirty": 1, "writeback": 1}
     from traces.provenance import capture_commit, sources_fingerprint
     assert result["capture_commit"] == capture_commit()  # the code timed (tests/test_provenance.py)
     assert result["capture_sources"] == sources_fingerprint()
@@ -873,6 +877,34 @@ def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, fla
     with pytest.raises(SystemExit) as stop:
         bench.main(["--model", str(tmp_path / "none"), "--input", str(tmp_path), *flag])
     assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_page_cache_facts_name_the_folder_s_file_system_and_the_writeback_settings(tmp_path):
+    from traces.capture.bench import meminfo_kb, page_cache_facts
+
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "sys" / "vm").mkdir(parents=True)
+    cgroup.mkdir()
+    (proc / "mounts").write_text("/dev/vda / ext4 rw 0 0\ntmpfs /tmp tmpfs rw 0 0\ntmpfs /tmpx tmpfs rw 0 0\n"
+                                 "/dev/vdb /tmp/scratch xfs rw 0 0\n")
+    for name, value in (("dirty_ratio", "20"), ("dirty_background_ratio", "10"), ("dirty_bytes", "0")):
+        (proc / "sys" / "vm" / name).write_text(value + "\n")
+    (proc / "meminfo").write_text("MemTotal:       24683772 kB\nMemFree:  1 kB\nMemAvailable:   24174256 kB\n"
+                                  "Dirty:              12 kB\nWriteback:           0 kB\n")
+    (cgroup / "memory.max").write_text("max\n")
+    facts = page_cache_facts("/tmp/x", str(proc), str(cgroup))
+    assert (facts["mount"], facts["filesystem"]) == ("/tmp", "tmpfs")  # the longest mount holding it
+    assert page_cache_facts("/tmp/scratch/a", str(proc), str(cgroup))["filesystem"] == "xfs"
+    assert page_cache_facts("/tmpxy", str(proc), str(cgroup))["filesystem"] == "ext4"  # not /tmpx's
+    assert facts["vm"] == {"dirty_ratio": 20, "dirty_background_ratio": 10, "dirty_bytes": 0,
+                           "dirty_background_bytes": None, "dirty_expire_centisecs": None}
+    assert facts["memory_kb"] == {"MemTotal": 24683772, "MemAvailable": 24174256}
+    assert facts["cgroup_memory_max"] == "max"
+    assert meminfo_kb(path=str(proc / "meminfo")) == {"Dirty": 12, "Writeback": 0}
+    assert meminfo_kb(path=str(tmp_path / "none")) is None
+    assert page_cache_facts("/x", str(tmp_path / "none"), str(tmp_path / "none")) == {
+        "folder": "/x", "mount": None, "filesystem": None, "vm": dict.fromkeys(facts["vm"]),
+        "memory_kb": None, "cgroup_memory_max": None}
 
 
 def test_bench_rounds_count_the_cpu_of_the_calling_thread_apart_from_the_others():

@@ -429,10 +429,17 @@ def test_a_joiner_process_that_dies_fails_the_file_and_leaves_nothing(tmp_path, 
     assert read_trace(path)[1].num_tokens == 300 and stray_blocks() == before
 
 
-def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(capsys):
+def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(capsys, tmp_path, monkeypatch):
+    import contextlib
+    import tempfile
+
     from traces.capture.writer_cost import main, writer_cpu
 
+    # its folder kept: each pass's file is removed after the pass (left, they start the system's
+    # writeback within a run), the warm-up's alone is left
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(str(tmp_path)))
     cpu = writer_cpu(forwards=2, passes=2, workers=1, writers=("processes", "dispatcher"))
+    assert [p.name for p in tmp_path.iterdir()] == ["warm.parquet"]
     # the thread hands a forward's rows on in milliseconds; the whole process spends at least
     # that; an encoder spends more on each unit
     assert sorted(cpu) == ["dispatcher", "processes"]

@@ -14,7 +14,10 @@ seconds after the bench started (each setting's first round always runs), and ``
 every setting measured so far. Each round's end is reported on stderr.
 The capture pass is also reported without its close (encoding the units still pending when the
 last forward is done): that tail is fixed per capture, so a long capture's overhead tends to the
-loop's, as long as the loop never waits for the writer. The capture settings are moe-capture's defaults unless given
+loop's, as long as the loop never waits for the writer. Each capture pass writes its file in the
+system's temporary folder (TMPDIR sets it) and removes it after the close; the result records
+that folder's file system, the ``vm.dirty_*`` settings and the pages dirty or under writeback at
+each close (``page_cache``, ``dirty_at_close_mib``). The capture settings are moe-capture's defaults unless given
 (``--logits``, ``--lookahead-depth``, ``--writers``). Prints a Markdown table:
 
     python -m traces.capture.bench --model traces/fixtures/model --input capture.jsonl --out bench.json
@@ -46,6 +49,49 @@ from traces.capture.config import (
     ModelConfig,
 )
 from traces.capture.cores import descendants, processes
+
+
+def meminfo_kb(fields: tuple[str, ...] = ("Dirty", "Writeback"), path: str = "/proc/meminfo") -> dict[str, int] | None:
+    """``fields`` of /proc/meminfo in kB; None where it cannot be read (not Linux)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    found = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name in fields:
+            found[name] = int(value.split()[0])
+    return found
+
+
+def page_cache_facts(folder: str | None = None, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> dict:
+    """Where the capture passes write their files and what the system does with pages written: the
+    folder (``tempfile.gettempdir()``, which TMPDIR sets), its file system (from the mounts), the
+    ``vm.dirty_*`` settings, the memory available and this process's memory cgroup limit. Dirty
+    pages past the background threshold are written back while a pass runs: on the 2-core
+    development machine that raised the writer's CPU per unit 1.7x (docs/CAPTURE.md). None for
+    what cannot be read."""
+    folder = folder or tempfile.gettempdir()
+
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return None
+
+    mount = None
+    for line in (read(f"{proc}/mounts") or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and (folder == parts[1] or folder.startswith(parts[1].rstrip("/") + "/")) and \
+                (mount is None or len(parts[1]) > len(mount[0])):
+            mount = (parts[1], parts[2])
+    vm = {name: read(f"{proc}/sys/vm/{name}") for name in
+          ("dirty_ratio", "dirty_background_ratio", "dirty_bytes", "dirty_background_bytes", "dirty_expire_centisecs")}
+    available = meminfo_kb(("MemTotal", "MemAvailable"), f"{proc}/meminfo")
+    return {"folder": folder, "mount": mount[0] if mount else None, "filesystem": mount[1] if mount else None,
+            "vm": {k: int(v) if v is not None and v.isdigit() else v for k, v in vm.items()},
+            "memory_kb": available, "cgroup_memory_max": read(f"{cgroup}/memory.max")}
 
 
 def _sync(device) -> None:
@@ -173,6 +219,8 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     lending: dict[tuple, list[float]] = {v: [] for v in variants}
     opens: dict[tuple, list[float]] = {v: [] for v in variants}
     units: dict[tuple, list[int]] = {v: [] for v in variants}
+    # the system's dirty pages and pages under writeback when the file is closed (kB), or None
+    dirty: dict[tuple, list] = {v: [] for v in variants}
 
     def capture(writer: str, *rec) -> Timed:
         """Timed from the start to the file closed: removing the file after it (a 131,072-token
@@ -191,6 +239,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
                 lending[writer, *rec].append(w.lend_wait_s)
             closed = time.perf_counter()
             closes[writer, *rec].append(closed - end)
+            dirty[writer, *rec].append(meminfo_kb())
         return Timed(closed - start, stats)
 
     modes = {"forward": lambda: _forward_only(model, windows, cfg.batch_size)}
@@ -201,7 +250,7 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
                                              enough=_narrow_enough(ci_width, [_mode(*v) for v in variants]),
                                              deadline=deadline)
     return [_overhead(cfg, v, tokens, t, rounds, cpu, last[_mode(*v)], units[v], closes[v], opens[v], lending[v],
-                      cpu_of_model) for v in variants]
+                      cpu_of_model, dirty[v]) for v in variants]
 
 
 MIN_ROUNDS = 5  # rounds before an interval may end the measurement (fewer resample too coarsely)
@@ -245,9 +294,10 @@ def _hooks_mode(*rec) -> str:
 
 def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: int, t: dict, rounds: dict,
               cpu: dict, stats: dict, units: list[int], closes: list[float], opens: list[float], lending: list[float],
-              cpu_of_model) -> dict:
+              cpu_of_model, dirty: list | None = None) -> dict:
     """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel,
-    record_block_tokens), its modes named ``hooks`` and ``capture``."""
+    record_block_tokens), its modes named ``hooks`` and ``capture``; ``dirty``: :func:`meminfo_kb`
+    at each capture pass's close."""
     writer, stream, kernel, block = variant
     mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block)
     t_fwd, t_hooks, t_cap = t["forward"], t[hooks], t[mode]
@@ -298,7 +348,20 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: i
         # the model, its other threads (the drain, the writer's) and its descendant processes
         # (the encoders, the joiner, a dispatcher; 0 without /proc)
         "cpu_s": cpu,
+        # MiB of the system's pages dirty or under writeback at each timed capture pass's close:
+        # where they pass vm.dirty_background_* (page_cache_facts), the pass ran beside a writeback
+        "dirty_at_close_mib": _dirty_mib(dirty),
     }
+
+
+def _dirty_mib(dirty: list | None) -> dict | None:
+    """{"dirty": [...], "writeback": [...]} in MiB over the timed passes (the first is the warm-up),
+    or None where /proc/meminfo was not read."""
+    timed = [d for d in (dirty or [])[1:] if d]
+    if not timed:
+        return None
+    return {key: [round(d.get(field, 0) / 1024) for d in timed] for key, field in
+            (("dirty", "Dirty"), ("writeback", "Writeback"))}
 
 
 def _by_round(times: list[float], forward: list[float]) -> float:
@@ -512,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
                # the capture code timed (traces.provenance): the checkout's last commit of it, and
                # the files' own fingerprint, which names them also where the copy's .git lags
                "capture_commit": capture_commit(), "capture_sources": sources_fingerprint(),
-               "time_limit_s": args.time_limit or None, "runs": []}
+               "time_limit_s": args.time_limit or None, "page_cache": page_cache_facts(), "runs": []}
     lookahead = replace(defaults.lookahead, enabled=args.lookahead_depth > 0, depth=max(1, args.lookahead_depth))
     writers = tuple(args.writer.split(","))  # side by side in the same rounds
     for logits, workers, bs, unit, pin, share in itertools.product(

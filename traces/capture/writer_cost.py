@@ -130,7 +130,8 @@ def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...
         for n, writer_kind in itertools.product(range(passes), writers):
             spent, copying = 0.0, 0.0
             children, process = -_children_cpu(), -time.process_time()
-            with open_writer(Path(folder) / f"pass{n}.parquet", meta, workers, writer_kind, UNIT) as writer:
+            path = Path(folder) / f"pass{n}.parquet"
+            with open_writer(path, meta, workers, writer_kind, UNIT) as writer:
                 for f in range(forwards):
                     start = time.thread_time()
                     views = _filled(writer, rows, f)
@@ -140,6 +141,11 @@ def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...
                     copying += middle - start
             process += time.process_time() - copying
             children += _children_cpu()
+            # removed at once (a pass of 24 forwards is 0.5 GB): left in the page cache, the passes'
+            # files reach the development machine's background writeback threshold (10 % of its
+            # 24 GiB) after about five passes, and while the writeback runs every writer process
+            # there takes 1.7x the CPU per unit (docs/CAPTURE.md)
+            path.unlink()
             out[writer_kind].append((1e3 * spent / forwards, 1e3 * process / forwards,
                                      1e3 * children / -(-forwards * FORWARD // UNIT)))
     return out
