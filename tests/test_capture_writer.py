@@ -435,8 +435,8 @@ def test_the_writer_cost_tool_times_the_writing_thread_and_the_child_processes(c
 
     from traces.capture.writer_cost import main, writer_cpu
 
-    # its folder kept: each pass's file is removed after the pass (left, they start the system's
-    # writeback within a run), the warm-up's alone is left
+    # its folder kept: each pass's file is removed after the pass (kept, every pass's pages would
+    # be new memory, which costs a virtual machine's first touch), the warm-up's alone is left
     monkeypatch.setattr(tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(str(tmp_path)))
     cpu = writer_cpu(forwards=2, passes=2, workers=1, writers=("processes", "dispatcher"))
     assert [p.name for p in tmp_path.iterdir()] == ["warm.parquet"]

@@ -68,10 +68,9 @@ def meminfo_kb(fields: tuple[str, ...] = ("Dirty", "Writeback"), path: str = "/p
 def page_cache_facts(folder: str | None = None, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> dict:
     """Where the capture passes write their files and what the system does with pages written: the
     folder (``tempfile.gettempdir()``, which TMPDIR sets), its file system (from the mounts), the
-    ``vm.dirty_*`` settings, the memory available and this process's memory cgroup limit. Dirty
-    pages past the background threshold are written back while a pass runs: on the 2-core
-    development machine that raised the writer's CPU per unit 1.7x (docs/CAPTURE.md). None for
-    what cannot be read."""
+    ``vm.dirty_*`` settings, the memory available and this process's memory cgroup limit: a pass
+    of 2,097,152 tokens of the small Qwen3-Next shape writes about 5 GB, and past the background
+    threshold the system writes dirty pages back while a pass runs. None for what cannot be read."""
     folder = folder or tempfile.gettempdir()
 
     def read(path: str) -> str | None:

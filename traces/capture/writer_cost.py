@@ -141,10 +141,10 @@ def writer_cpu(forwards: int, passes: int, workers: int, writers: tuple[str, ...
                     copying += middle - start
             process += time.process_time() - copying
             children += _children_cpu()
-            # removed at once (a pass of 24 forwards is 0.5 GB): left in the page cache, the passes'
-            # files reach the development machine's background writeback threshold (10 % of its
-            # 24 GiB) after about five passes, and while the writeback runs every writer process
-            # there takes 1.7x the CPU per unit (docs/CAPTURE.md)
+            # removed at once (a pass of 24 forwards is 0.5 GB): where the passes' files were kept,
+            # each pass's pages were memory the system had not used before, and on the development
+            # machine (a virtual machine) a first touch of a page costs about 10 us, up to twice the
+            # writer's CPU per unit in a run's later passes (docs/CAPTURE.md)
             path.unlink()
             out[writer_kind].append((1e3 * spent / forwards, 1e3 * process / forwards,
                                      1e3 * children / -(-forwards * FORWARD // UNIT)))
