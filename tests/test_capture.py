@@ -900,6 +900,10 @@ def test_bench_page_cache_facts_name_the_folder_s_file_system_and_the_writeback_
                            "dirty_background_bytes": None, "dirty_expire_centisecs": None}
     assert facts["memory_kb"] == {"MemTotal": 24683772, "MemAvailable": 24174256}
     assert facts["cgroup_memory_max"] == "max"
+    (cgroup / "memory.max").unlink()  # cgroup v1: its own file
+    (cgroup / "memory").mkdir()
+    (cgroup / "memory" / "memory.limit_in_bytes").write_text("68719476736\n")
+    assert page_cache_facts("/tmp/x", str(proc), str(cgroup))["cgroup_memory_max"] == "68719476736"
     assert meminfo_kb(path=str(proc / "meminfo")) == {"Dirty": 12, "Writeback": 0}
     assert meminfo_kb(path=str(tmp_path / "none")) is None
     assert page_cache_facts("/x", str(tmp_path / "none"), str(tmp_path / "none")) == {

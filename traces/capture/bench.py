@@ -90,7 +90,8 @@ def page_cache_facts(folder: str | None = None, proc: str = "/proc", cgroup: str
     available = meminfo_kb(("MemTotal", "MemAvailable"), f"{proc}/meminfo")
     return {"folder": folder, "mount": mount[0] if mount else None, "filesystem": mount[1] if mount else None,
             "vm": {k: int(v) if v is not None and v.isdigit() else v for k, v in vm.items()},
-            "memory_kb": available, "cgroup_memory_max": read(f"{cgroup}/memory.max")}
+            "memory_kb": available,  # the memory cgroup's limit: v2's file, else v1's
+            "cgroup_memory_max": read(f"{cgroup}/memory.max") or read(f"{cgroup}/memory/memory.limit_in_bytes")}
 
 
 def _sync(device) -> None:
