@@ -69,7 +69,7 @@ def page_cache_facts(folder: str | None = None, proc: str = "/proc", cgroup: str
     """Where the capture passes write their files and what the system does with pages written: the
     folder (``tempfile.gettempdir()``, which TMPDIR sets), its file system (from the mounts), the
     ``vm.dirty_*`` settings, the memory available and this process's memory cgroup limit: a pass
-    of 2,097,152 tokens of the small Qwen3-Next shape writes about 5 GB, and past the background
+    of 2,097,152 tokens of the small Qwen3-Next shape writes 3.6 GB, and past the background
     threshold the system writes dirty pages back while a pass runs. None for what cannot be read."""
     folder = folder or tempfile.gettempdir()
 
