@@ -626,6 +626,80 @@ def test_capture_writes_what_the_single_writer_wrote_before(tmp_path, kind, shar
     assert pq.ParquetFile(tmp_path / "now.parquet").metadata.num_row_groups == -(-57 // 5)
 
 
+# In Triton's interpreter (CPU tensors; a process of its own): captures with the stored-rows
+# kernel and with the steps it replaces store the same trace, with padded forwards, blocks of
+# forwards, a float32 model with a selection bias and a bfloat16 one, rows in the writer's shared
+# memory and in buffers of their own.
+ROWS_KERNEL_CAPTURE = """
+import sys, tempfile
+from pathlib import Path
+import torch
+sys.path.insert(0, "tests")
+from test_capture import tiny_model, windows
+from traces.capture import top_r
+from traces.capture.capture import build_meta, capture_windows, open_writer
+from traces.capture.config import CaptureConfig
+from traces.capture.routers import find_routers
+from traces.format import recorded_content_hash
+launches = []
+real = top_r.stored_rows
+top_r.uses_rows_kernel = lambda logits: True  # the interpreter runs the kernel on CPU tensors
+top_r.stored_rows = lambda *args: launches.append(1) or real(*args)
+bad = []
+for arch, dtype in (("deepseek_v3", torch.float32), ("qwen3_next", torch.bfloat16)):
+    model = tiny_model(arch).to(dtype)
+    sites = find_routers(model)
+    wins = windows([9, 14, 3, 14, 6, 11, 14, 14], seed=4)
+    for shared in (False, True):
+        hashes = []
+        for fused in (False, True):
+            cfg = CaptureConfig(logits="top:5", batch_size=3, rows_kernel=fused, record_block_tokens=40)
+            path = Path(tempfile.mkdtemp()) / "t.parquet"
+            before = len(launches)
+            with open_writer(path, build_meta(model, sites, "tiny", ["a", "b"], cfg, {}), workers=2,
+                             writer="threads", unit_tokens=7) as w:
+                capture_windows(model, sites, wins, cfg, lambda rows: w.write(**rows.columns()),
+                                block=w.block if shared else None)
+            if (len(launches) > before) != fused:
+                bad.append((arch, shared, fused, "launches"))
+            hashes.append(recorded_content_hash(path))
+        if hashes[0] != hashes[1] or hashes[0] is None:
+            bad.append((arch, shared, hashes))
+print("ok" if not bad else bad)
+"""
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="Triton is not installed")
+def test_the_stored_rows_kernel_captures_the_trace_the_steps_capture():
+    import os
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", ROWS_KERNEL_CAPTURE], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout[-2000:], done.stderr[-2000:])
+
+
+def test_a_stored_rows_kernel_that_fails_leaves_the_steps_once_with_a_warning(monkeypatch, broken_kernel):
+    """The block it failed on, and every one after, stored step by step: the same rows."""
+    from traces.capture import top_r
+
+    kernel, launches = broken_kernel
+    model, wins = tiny_model("deepseek_v3"), windows([9, 14, 3, 14, 6, 11], seed=4)
+    want = record(model, wins, logits="top:5", batch_size=2, rows_kernel=False)
+    monkeypatch.setattr(top_r, "_rows_kernel", lambda: kernel)
+    monkeypatch.setattr(top_r, "_ROWS_FAILED", [])
+    monkeypatch.setattr(top_r, "uses_rows_kernel", lambda logits: not top_r._ROWS_FAILED)
+    with pytest.warns(RuntimeWarning, match="stored-rows kernel failed .*no compiler.*step by step instead"):
+        got = record(model, wins, logits="top:5", batch_size=2)
+    assert len(launches) == 1 and top_r._ROWS_FAILED == ["RuntimeError: no compiler for this GPU"]
+    for name, value in want.columns().items():
+        if value is None:
+            assert getattr(got, name) is None, name
+        else:
+            np.testing.assert_array_equal(getattr(got, name), value, err_msg=name)
+
+
 def open_writer_units(path, meta, unit_tokens, kind="threads"):
     from traces.capture.capture import open_writer
 
@@ -861,6 +935,23 @@ def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_p
     assert [", top-R by sorts, " in row for row in (r.split("|")[3] for r in rows)] == [False, True] * 2
 
 
+def test_bench_compares_the_stored_rows_kernel_with_the_steps_in_the_same_rounds(tmp_path, capsys, monkeypatch):
+    calls = []
+
+    def spy(real, model, sites, windows, cfg, write, *args, block=None, **kwargs):
+        calls.append((cfg.rows_kernel, block is not None))
+        return real(model, sites, windows, cfg, write, *args, block=block, **kwargs)
+
+    runs = _bench_spied(tmp_path, monkeypatch, spy, "--batch-sizes", "4", "--repeats", "1", "--writer", "threads",
+                        "--rows-kernel", "1,0")
+    assert [r["rows_kernel"] for r in runs] == [True, False]
+    assert len({tuple(r["rounds_s"]["forward"]) for r in runs}) == 1  # one forward for both
+    # per pass (a warm-up and a round): a hooks pass and a capture pass of each setting
+    assert sorted(calls) == sorted([(True, False), (False, False), (True, True), (False, True)] * 2)
+    rows = [line.split("|")[3] for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
+    assert ["stored columns step by step" in row for row in rows] == [False, True]
+
+
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),
                                              (["--repeats", "0"], "--repeats 0: rounds must be at least 1"),
                                              (["--unit-tokens", "0,-1"], "--unit-tokens 0,-1: give whole numbers"),
@@ -869,6 +960,7 @@ def test_bench_compares_the_top_r_kernel_with_the_sorts_in_the_same_rounds(tmp_p
                                              (["--recording-stream", "side,both"],
                                               "--recording-stream both is not valid"),
                                              (["--top-r-kernel", "1,yes"], "--top-r-kernel 1,yes: give 1 or 0"),
+                                             (["--rows-kernel", "2"], "--rows-kernel 2: give 1 or 0"),
                                              (["--record-block-tokens", "0,-5"],
                                               "--record-block-tokens 0,-5: give whole numbers")])
 def test_bench_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, flag, words):

@@ -96,3 +96,48 @@ def test_the_kernel_runs_only_where_asked_and_able(monkeypatch):
     assert len(ran) == 1 and out[1].shape == (6, 3, 9)
     monkeypatch.setattr(top_r, "_kernel", lambda: None)  # no Triton
     assert not top_r.uses_kernel(logits)
+
+
+# The stored-rows kernel against the steps it replaces (casts, index selection, the sorts), in
+# Triton's interpreter: float16, bfloat16 and float32 logits, ties, padded slots, k = 1 and
+# k not a power of two, R = 1, E = 512.
+ROWS_CHECK = """
+import numpy as np, torch
+from traces.capture import capture, top_r
+from traces.capture.capture import Storage
+from traces.capture.hooks import StepRouting
+tied = np.array([-np.inf, -3.5, -1.0, -0.0, 0.0, 6e-8, 0.5, 2.25, 65504, 70000, np.inf], np.float32)
+bad = []
+cases = [(5, 3, 40, 4, 9, torch.float16, None, False), (6, 2, 64, 8, 16, torch.bfloat16, [0, 2, 3, 5], True),
+         (4, 2, 100, 7, 64, torch.float32, [1, 3], False), (3, 4, 8, 1, 1, torch.float32, None, True),
+         (2, 2, 512, 10, 64, torch.bfloat16, [1], False)]
+for case, (N, L, E, k, R, dtype, slots, ties) in enumerate(cases):
+    g = torch.Generator().manual_seed(case)
+    if ties:
+        logits = torch.from_numpy(tied[np.random.default_rng(case).integers(0, len(tied), (N, L, E))]).to(dtype)
+    else:
+        logits = (torch.randn(N, L, E, generator=g) * 30).to(dtype)
+    experts = torch.rand(N, L, E, generator=g).argsort(-1)[..., :k]  # not contiguous
+    weights = torch.rand(N, L, k, generator=g).to(dtype)
+    s = None if slots is None else torch.tensor(slots)
+    storage = Storage(logits="top", logits_top_r=R, lookahead=None, lookahead_top_r=0)
+    want = capture._routing_parts(StepRouting(experts, weights.float(), logits), s, storage, None, kernel=False)
+    T = N if s is None else len(slots)
+    shapes = {"logits": ((T, L, R), torch.float16), "logit_ids": ((T, L, R), torch.int16),
+              "experts": ((T, L, k), torch.int16), "weights": ((T, L, k), torch.float32)}
+    out = {name: torch.full(shape, 7, dtype=dt) for name, (shape, dt) in shapes.items()}
+    assert top_r.stored_rows(logits, experts, weights, s, out)
+    for name, got in out.items():
+        bits = {torch.float16: torch.int16, torch.float32: torch.int32}.get(got.dtype, got.dtype)
+        if not torch.equal(got.view(bits), want[name].view(bits)):
+            bad.append((case, name))
+print("ok" if not bad else bad)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_stored_rows_kernel_writes_what_the_steps_write():
+    """One launch gives the bits of the casts, the real slots' selection and the top-R sorts."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", ROWS_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.stdout[-2000:], done.stderr[-2000:])

@@ -68,10 +68,11 @@ def parse_where(items: list[str]) -> dict[str, str]:
 
 
 SAME = ("model", "batch_size", "tokens", "logits", "lookahead", "writer", "writers", "recording_stream", "shared_rows",
-        "top_r_kernel", "top_r_programs", "model_cpu", "record_block_tokens", "recording_thread")  # what runs pooled must share
+        "top_r_kernel", "top_r_programs", "model_cpu", "record_block_tokens", "recording_thread",
+        "rows_kernel")  # what runs pooled must share
 # what results saved before a setting existed (or after it was removed: recording_thread and top_r_programs, 2026-12-07,
 # docs/CAPTURE.md) ran with
-BEFORE = {"record_block_tokens": 0, "recording_thread": False, "top_r_programs": 0}
+BEFORE = {"record_block_tokens": 0, "recording_thread": False, "top_r_programs": 0, "rows_kernel": False}
 
 
 def pooled_row(paths: list[Path], where: dict[str, str] | None = None) -> str:

@@ -179,15 +179,17 @@ def _children_cpu() -> float:
 def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: CaptureConfig,
                      repeats: int = 3, writers: tuple[str, ...] = (), streams: tuple[str, ...] = (),
                      kernels: tuple[bool, ...] = (), ci_width: float = 0.0,
-                     blocks: tuple[int, ...] = (), deadline: float | None = None) -> list[dict]:
+                     blocks: tuple[int, ...] = (), deadline: float | None = None,
+                     rows_kernels: tuple[bool, ...] = ()) -> list[dict]:
     """Tokens/s of forward, hooks and capture at ``cfg`` (batch size, storage, writers); overheads
     in %. ``writers``: the capture with each of these writers (default: ``cfg.writer``),
     ``streams``: with each of these recording streams (default: ``cfg.recording_stream``),
     ``kernels``: with the top-R kernel on and off (default: ``cfg.top_r_kernel``), and ``blocks``:
-    with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), all in the
-    same rounds, side by side; one result per writer and recording (stream, kernel and block
-    setting), the forward shared, the hooks shared by the writers of a recording. ``deadline``:
-    as in :func:`_timed_rounds`."""
+    with each of these ``record_block_tokens`` (default: ``cfg.record_block_tokens``), and
+    ``rows_kernels``: with the stored-rows kernel on and off (default: ``cfg.rows_kernel``), all in
+    the same rounds, side by side; one result per writer and recording (stream, kernel, block and
+    rows-kernel setting), the forward shared, the hooks shared by the writers of a recording.
+    ``deadline``: as in :func:`_timed_rounds`."""
     from traces.capture.capture import (
         batch_tokens,
         build_meta,
@@ -201,13 +203,14 @@ def measure_overhead(model, sites, windows, name: str, domains: list[str], cfg: 
     tokens = sum(len(w.tokens) for w in windows)
     probs = router_returns_probabilities(model, sites)
     writers = tuple(writers) or (cfg.writer,)
-    recordings = [(s, k, b) for s in tuple(streams) or (cfg.recording_stream,)
+    recordings = [(s, k, b, f) for s in tuple(streams) or (cfg.recording_stream,)
                   for k in tuple(kernels) or (cfg.top_r_kernel,)
-                  for b in tuple(blocks) or (cfg.record_block_tokens,)]
+                  for b in tuple(blocks) or (cfg.record_block_tokens,)
+                  for f in tuple(rows_kernels) or (cfg.rows_kernel,)]
     variants = [(w, *rec) for w in writers for rec in recordings]
 
-    def recording(stream: str, kernel: bool, block: int) -> CaptureConfig:
-        return replace(cfg, recording_stream=stream, top_r_kernel=kernel, record_block_tokens=block)
+    def recording(stream: str, kernel: bool, block: int, rows: bool) -> CaptureConfig:
+        return replace(cfg, recording_stream=stream, top_r_kernel=kernel, record_block_tokens=block, rows_kernel=rows)
 
     def hooks(*rec) -> dict:
         return capture_windows(model, sites, windows, recording(*rec), lambda rows: None, logits_are_probs=probs)
@@ -271,8 +274,10 @@ def _narrow_enough(width: float, captures: list[str]):
     return enough
 
 
-def _recording(stream: str, kernel: bool, block: int | None = None, per_block: int | None = None) -> str:
-    """A recording's label; ``per_block``: the most forwards a block held, where a result says."""
+def _recording(stream: str, kernel: bool, block: int | None = None, per_block: int | None = None,
+               rows: bool = True) -> str:
+    """A recording's label; ``per_block``: the most forwards a block held, where a result says;
+    ``rows``: the stored-rows kernel asked for (``rows_kernel``)."""
     if block is None:
         held = ""
     elif block == 0:
@@ -281,25 +286,26 @@ def _recording(stream: str, kernel: bool, block: int | None = None, per_block: i
         held = f", forwards handed on alone (record_block_tokens {block:,} holds no two of them)"
     else:
         held = f", forwards held in blocks of {block:,} tokens" + (f" (up to {per_block})" if per_block else "")
-    return f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts") + held
+    return (f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts")
+            + ("" if rows or not kernel else ", stored columns step by step") + held)
 
 
-def _mode(writer: str, *rec) -> str:
-    return f"capture ({writer}, {_recording(*rec)})"
+def _mode(writer: str, stream: str, kernel: bool, block: int, rows: bool) -> str:
+    return f"capture ({writer}, {_recording(stream, kernel, block, rows=rows)})"
 
 
-def _hooks_mode(*rec) -> str:
-    return f"hooks ({_recording(*rec)})"
+def _hooks_mode(stream: str, kernel: bool, block: int, rows: bool) -> str:
+    return f"hooks ({_recording(stream, kernel, block, rows=rows)})"
 
 
-def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: int, t: dict, rounds: dict,
+def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int, bool], tokens: int, t: dict, rounds: dict,
               cpu: dict, stats: dict, units: list[int], closes: list[float], opens: list[float], lending: list[float],
               cpu_of_model, dirty: list | None = None) -> dict:
     """One variant's result of :func:`measure_overhead` (writer, recording stream, top-R kernel,
-    record_block_tokens), its modes named ``hooks`` and ``capture``; ``dirty``: :func:`meminfo_kb`
-    at each capture pass's close."""
-    writer, stream, kernel, block = variant
-    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block)
+    record_block_tokens, rows kernel), its modes named ``hooks`` and ``capture``; ``dirty``:
+    :func:`meminfo_kb` at each capture pass's close."""
+    writer, stream, kernel, block, rows = variant
+    mode, hooks = _mode(*variant), _hooks_mode(stream, kernel, block, rows)
     t_fwd, t_hooks, t_cap = t["forward"], t[hooks], t[mode]
     close = statistics.median(closes[1:])  # the timed rounds' (the first pass is the warm-up)
     opened = statistics.median(opens[1:])
@@ -314,6 +320,7 @@ def _overhead(cfg: CaptureConfig, variant: tuple[str, str, bool, int], tokens: i
         "recording_stream": stream,
         "top_r_kernel": kernel,  # asked for: it runs on a GPU with Triton and top-R logits
         "record_block_tokens": block,
+        "rows_kernel": rows,  # asked for: it runs with the top-R kernel, top-R logits and no look-ahead
         "record_block_forwards": stats.get("forwards_per_block"),  # the most one block held: 1, every forward alone
         "unit_tokens": units[-1],
         "model_cpu": cpu_of_model,
@@ -464,7 +471,7 @@ def overhead_table(bench: dict) -> list[str]:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
             label = _recording(r["recording_stream"], r.get("top_r_kernel", True), r.get("record_block_tokens"),
-                               r.get("record_block_forwards"))
+                               r.get("record_block_forwards"), r.get("rows_kernel", True))
             encoders += f", {label}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "
@@ -520,6 +527,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-r-kernel", default="1" if defaults.top_r_kernel else "0",
                    help="1: the top-R logits selected by the Triton kernel where it runs (moe-capture's "
                         "top_r_kernel), 0: by two sorts; comma-separated to compare them in the same rounds")
+    p.add_argument("--rows-kernel", default="1" if defaults.rows_kernel else "0",
+                   help="1: each block's stored routing columns written by one Triton kernel where it runs "
+                        "(moe-capture's rows_kernel), 0: step by step and copied; comma-separated to compare "
+                        "them in the same rounds")
     p.add_argument("--record-block-tokens", default=str(defaults.record_block_tokens),
                    help="tokens of routing the recording holds before handing rows on (moe-capture's "
                         "record_block_tokens; 0: every forward alone); comma-separated to compare them in "
@@ -553,7 +564,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--time-limit {args.time_limit}: give seconds >= 0 (0: no limit)")
     deadline = started + args.time_limit if args.time_limit else None
     pins, shares, kernels = args.pin_threads.split(","), args.shared_rows.split(","), args.top_r_kernel.split(",")
-    for flag, values in (("--pin-threads", pins), ("--shared-rows", shares), ("--top-r-kernel", kernels)):
+    fused = args.rows_kernel.split(",")
+    for flag, values in (("--pin-threads", pins), ("--shared-rows", shares), ("--top-r-kernel", kernels),
+                         ("--rows-kernel", fused)):
         if any(x not in ("0", "1") for x in values):
             p.error(f"{flag} {','.join(values)}: give 1 or 0, comma-separated")
 
@@ -585,10 +598,10 @@ def main(argv: list[str] | None = None) -> None:
                       pin_threads=pin == "1", shared_rows=share == "1")
         for r in measure_overhead(model, sites, windows, name, domains, cfg, args.repeats, writers,
                                   tuple(args.recording_stream.split(",")), tuple(k == "1" for k in kernels),
-                                  args.ci_width, held, deadline):
+                                  args.ci_width, held, deadline, tuple(f == "1" for f in fused)):
             results["runs"].append(r)
             print(f"{name} logits={logits} writer={r['writer']} recording stream {r['recording_stream']} "
-                  f"top-R kernel {int(r['top_r_kernel'])} block {r['record_block_tokens']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
+                  f"top-R kernel {int(r['top_r_kernel'])} rows kernel {int(r['rows_kernel'])} block {r['record_block_tokens']} unit {r['unit_tokens']} batch {bs} shared rows {share} "
                   f"model's CPU "
                   f"{r['model_cpu']}: forward {r['forward_tokens_per_s']} tok/s, "
                   f"hooks {r['hooks_tokens_per_s']} ({r['hooks_overhead_pct']:+.1f} %, 95 % interval "

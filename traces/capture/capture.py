@@ -18,6 +18,7 @@ while the writer holds as many rows as it may (``lend_wait_s``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import queue
@@ -79,6 +80,7 @@ CAPTURE_SWITCH_INTERVAL_S = 0.0005
 # stacked and put in stored form, its copies take a few times that for a moment, as they do for
 # one forward of as many token slots (a forward larger than the bound goes alone).
 RECORD_BLOCK_BYTES = 512 << 20
+CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 
 
 @dataclass
@@ -157,9 +159,10 @@ class _Drain:
 
     With ``block`` (the sink's :meth:`~traces.capture.writer.ParallelTraceWriter.block`), each
     block of rows goes straight into the sink's shared memory: on a GPU, that memory is registered
-    with the device (once per slab) and the device copies the rows there itself; the encoder
-    processes read them in place. Without it (or where the registration fails), the rows go
-    through pinned buffers of torch's own and the sink copies them.
+    with the device (once per slab) and the device copies the rows there itself, or its kernels
+    write them there (:meth:`put_filled`); the encoder processes read them in place. Without it
+    (or where the registration fails), the rows go through pinned buffers of torch's own and the
+    sink copies them.
 
     With ``side`` (the default), the recording's own device work (:meth:`beside`) runs on the
     drain's stream too.
@@ -223,7 +226,7 @@ class _Drain:
         """Queue one block of rows: host arrays as they are, device tensors copied asynchronously."""
         if self._error is not None:
             raise self._error
-        views = self._lend(host, device)
+        views = self._lend(host, {k: (t.dtype, tuple(t.shape)) for k, t in device.items()})
         if views is not None:  # every column in the sink's shared memory
             host, copies = {}, views
             event = self._copy(device, {k: torch.from_numpy(views[k]) for k in device})
@@ -232,18 +235,46 @@ class _Drain:
             event = self._copy(device, copies)
         else:
             copies, event = {k: t.detach().cpu() for k, t in device.items()}, None
+        self._enqueue(event, host, copies)
+
+    def put_filled(self, host: dict[str, np.ndarray], columns: dict[str, tuple[torch.dtype, tuple]], fill,
+                   inputs: list[torch.Tensor | None]) -> None:
+        """Queue one block of rows whose device columns (``columns``: name -> (dtype, shape)) the
+        device writes into host memory itself: ``fill(targets)`` issues that work, on the drain's
+        stream (:meth:`beside`, reading ``inputs``), into ``targets``, the sink's shared memory
+        registered with the device or else pinned buffers (plain ones without a GPU). No copy is
+        queued: one launch can write a block's columns where the encoders read them."""
+        if self._error is not None:
+            raise self._error
+        views = self._lend(host, columns)
+        if views is not None:
+            host, rows = {}, views
+            targets = {k: torch.from_numpy(views[k]) for k in columns}
+        else:
+            targets = rows = {k: torch.empty(shape, dtype=dtype, pin_memory=self._cuda)  # cached by torch
+                              for k, (dtype, shape) in columns.items()}
+        with self.beside(*inputs):
+            fill(targets)
+            event = None
+            if self._cuda:
+                event = torch.cuda.Event()
+                event.record()  # on the stream the work went to
+        self._enqueue(event, host, rows)
+
+    def _enqueue(self, event, host: dict[str, np.ndarray], rows: dict) -> None:
         start = time.perf_counter()
-        self._queue.put((event, host, copies))
+        self._queue.put((event, host, rows))
         self.blocked_s += time.perf_counter() - start
 
-    def _lend(self, host: dict[str, np.ndarray], device: dict[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
-        """Views of shared memory from the sink for one block of rows, the host columns copied in;
-        None where there is no such memory or the device cannot write there (then, and from now
-        on, the rows take the pinned buffers' way; a block lent goes back at the writer's close)."""
+    def _lend(self, host: dict[str, np.ndarray], device: dict[str, tuple[torch.dtype, tuple]]) -> dict[str, np.ndarray] | None:
+        """Views of shared memory from the sink for one block of rows (``device``: the columns the
+        device writes, name -> (dtype, shape)), the host columns copied in; None where there is no
+        such memory or the device cannot write there (then, and from now on, the rows take the
+        pinned buffers' way; a block lent goes back at the writer's close)."""
         if self._block is None:
             return None
         columns = {k: (v.dtype, v.shape) for k, v in host.items()}
-        columns.update({k: (_numpy_dtype(t.dtype), tuple(t.shape)) for k, t in device.items()})
+        columns.update({k: (_numpy_dtype(dtype), shape) for k, (dtype, shape) in device.items()})
         block = self._block(columns)
         if block is None or (self._cuda and not _registered(block.slab)):
             self._block = None
@@ -276,6 +307,7 @@ class _Drain:
             raise self._error
 
 
+@functools.cache
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty((), dtype=dtype).numpy().dtype
 
@@ -286,7 +318,8 @@ def _registered(slab) -> bool:
     buffers' way)."""
     if slab.pinned is None:
         cudart = torch.cuda.cudart()
-        slab.pinned = int(cudart.cudaHostRegister(slab.address, slab.size, 0)) == 0
+        # mapped: the device's kernels may write there too (_Drain.put_filled), not only its copies
+        slab.pinned = int(cudart.cudaHostRegister(slab.address, slab.size, CUDA_HOST_REGISTER_MAPPED)) == 0
         if slab.pinned:
             slab.on_close.append(lambda: cudart.cudaHostUnregister(slab.address))
     return slab.pinned
@@ -432,7 +465,7 @@ def _host_columns(windows: list[Window], lengths: np.ndarray, prefill_tokens: in
 
 
 def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill_tokens, drain, stored, on_tokens,
-                   block_tokens: int = 0, block_bytes: int = 0):
+                   block_tokens: int = 0, block_bytes: int = 0, rows_r: int = 0):
     """One forward per batch of windows; records every real token.
 
     The routing of consecutive forwards is held (up to ``block_tokens`` token slots and
@@ -441,7 +474,8 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
     tensors to keep, :func:`_routing_parts`) and queued to the drain. Towards the end the blocks shrink: a block holds no more slots than
     the forwards after it, so the writer (faster than the model) has encoded it before the last
     forward ends, and the last forward goes alone: the close waits for one forward's rows only.
-    The same rows either way. Returns the most forwards one block held (1: every forward alone).
+    The same rows either way. ``rows_r``: as in :func:`_hand_on`. Returns the most forwards one
+    block held (1: every forward alone).
     """
     device = model.device
     todo = list(batches(windows, batch_size))
@@ -465,13 +499,13 @@ def teacher_forced(model, recorder: RouterRecorder, windows, batch_size, prefill
         more = slots_held + slots_of[i + 1]
         if i + 1 == len(todo) or more > min(block_tokens, after[i + 1]) or \
                 bytes_held + nbytes // (B * S) * slots_of[i + 1] > block_bytes:
-            _hand_on(held, prefill_tokens, drain, stored, device)
+            _hand_on(held, prefill_tokens, drain, stored, device, rows_r)
             most = max(most, len(held))
             held, slots_held, bytes_held = [], 0, 0
     return most
 
 
-def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -> None:
+def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device, rows_r: int = 0) -> None:
     """Stack the routing of the forwards ``held`` on the model's stream, put it in stored form on
     the drain's stream (:meth:`_Drain.beside`), then queue it with the host columns to the drain.
 
@@ -479,16 +513,45 @@ def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device) -
     stream's memory pool once stacked, ready for the next forward. Stacked on the drain's stream
     (69c763c), each one is held from the allocator until that stream is past it; two runs at
     batch 16 then gave +11.8 % and +18.0 %, twenty with the stack here +11.8 % pooled
-    (docs/CAPTURE.md, runs 1207a-l)."""
-    routing = StepRouting.stacked([f.raw for f in held])
+    (docs/CAPTURE.md, runs 1207a-l).
+
+    ``rows_r`` (top-R logits without look-ahead, ``rows_kernel``): R, and the stored routing
+    columns are written by one launch where the drain puts them (:func:`_put_rows`), where the
+    kernel runs; 0: step by step (``stored``), then copied."""
+    routing = StepRouting.stacked([f.raw for f in held], float_weights=not rows_r)
     slots_np = _real_slots(held)
     slots = None if slots_np is None else torch.from_numpy(slots_np).to(device)
     nlls = [f.nll for f in held]
+    windows = [w for f in held for w in f.windows]
+    host = _host_columns(windows, np.concatenate([f.lengths for f in held]), prefill_tokens)
+    if rows_r and top_r.uses_rows_kernel(routing.logits):
+        _put_rows(host, routing, slots, nlls, rows_r, drain, stored)
+        return
+    routing = routing.with_float_weights()
     with drain.beside(*routing.tensors(), slots):
         dev = stored(routing, slots)
         dev["nll"] = _real(torch.cat(nlls) if len(nlls) > 1 else nlls[0], slots)
-    windows = [w for f in held for w in f.windows]
-    drain.put(_host_columns(windows, np.concatenate([f.lengths for f in held]), prefill_tokens), dev)
+    drain.put(host, dev)
+
+
+def _put_rows(host: dict[str, np.ndarray], routing: StepRouting, slots: torch.Tensor | None,
+              nlls: list[torch.Tensor], r: int, drain: _Drain, stored) -> None:
+    """Hand on a block whose stored routing columns one launch writes where the drain puts them
+    (:func:`traces.capture.top_r.stored_rows`, :meth:`_Drain.put_filled`: on a GPU, the writer's
+    shared memory), with the NLL copied beside them: top-R logits without look-ahead. Where the
+    kernel fails, ``stored`` makes the columns and they are copied there (the same rows)."""
+    T, (_, L, _), k = host["seq"].shape[0], routing.logits.shape, routing.experts.shape[-1]
+    columns = {"experts": (torch.int16, (T, L, k)), "weights": (torch.float32, (T, L, k)),
+               "logits": (torch.float16, (T, L, r)), "logit_ids": (torch.int16, (T, L, r)),
+               "nll": (torch.float32, (T,))}
+
+    def fill(targets: dict[str, torch.Tensor]) -> None:
+        if not top_r.stored_rows(routing.logits, routing.experts, routing.weights, slots, targets):
+            for name, t in stored(routing.with_float_weights(), slots).items():
+                targets[name].copy_(t, non_blocking=True)
+        targets["nll"].copy_(_real(torch.cat(nlls) if len(nlls) > 1 else nlls[0], slots), non_blocking=True)
+
+    drain.put_filled(host, columns, fill, [*routing.tensors(), slots, *nlls])
 
 
 def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -715,6 +778,9 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
         missing = torch.from_numpy(lookahead_missing(len(sites), storage.lookahead.depth)).to(model.device)
     drain = _Drain(write, model.device, block=block, side=cfg.recording_stream == "side")
     counted = [0]
+    # the stored routing columns in one launch (top-R logits, no look-ahead): R, else 0
+    fused = cfg.rows_kernel and cfg.top_r_kernel and storage.logits == "top" and not storage.lookahead
+    rows_r = storage.logits_top_r if fused else 0
 
     def stored(routing: StepRouting, slots: torch.Tensor | None) -> dict[str, torch.Tensor]:
         return _routing_parts(routing, slots, storage, missing, cfg.top_r_kernel)
@@ -732,7 +798,7 @@ def capture_windows(model, sites, windows, cfg: CaptureConfig, write, progress=N
                                                     storage.lookahead) as rec:
             if cfg.mode == "teacher_forced":
                 per_block = teacher_forced(model, rec, windows, cfg.batch_size, cfg.prefill_tokens, drain, stored,
-                                           on_tokens, cfg.record_block_tokens, RECORD_BLOCK_BYTES)
+                                           on_tokens, cfg.record_block_tokens, RECORD_BLOCK_BYTES, rows_r)
             else:
                 generate(model, rec, windows, cfg.batch_size, cfg.generate, cfg.model.seed, drain, stored,
                          on_tokens)

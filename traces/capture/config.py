@@ -90,6 +90,12 @@ class CaptureConfig:
     # the top-R logits selected by one Triton kernel on a GPU with Triton (traces/capture/top_r.py);
     # false, or where it cannot run: two stable sorts. The same rows either way
     top_r_kernel: bool = True
+    # with top_r_kernel, top-R logits and no look-ahead: each block's stored routing columns (the
+    # top R with their ids, the experts as int16, the weights as float32) written by one Triton
+    # kernel straight into the trace writer's shared memory (traces/capture/top_r.py), instead of
+    # casts, the top-R kernel and a copy per column, each a launch on the thread that drives the
+    # model. The same rows either way
+    rows_kernel: bool = True
     # teacher_forced: the recording holds the routing of consecutive forwards up to this many
     # tokens (and RECORD_BLOCK_BYTES of device memory, traces/capture/capture.py), then stacks it,
     # selects the stored forms and hands the rows on in one go: its host work per forward (a few

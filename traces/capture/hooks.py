@@ -79,15 +79,16 @@ class StepRouting:
     """Routing of one forward over N token slots (padding included), L MoE layers, on device."""
 
     experts: torch.Tensor  # int64[N, L, k], rank order
-    weights: torch.Tensor  # float32[N, L, k], as applied by the model
+    weights: torch.Tensor  # float32[N, L, k], as applied by the model (the router's dtype: see stacked)
     logits: torch.Tensor | None  # [N, L, E] in the router's dtype, or None when not kept
     lookahead: torch.Tensor | None = None  # float32[N, L, D, E]: routers of l+1..l+D at l; -inf: none
 
     @classmethod
-    def stacked(cls, steps: list[RawStep]) -> StepRouting:
+    def stacked(cls, steps: list[RawStep], float_weights: bool = True) -> StepRouting:
         """The routing of one or more forwards (:meth:`RouterRecorder.take`), token slots one
         after the other: every forward's layers stacked, in a few device copies for all of them
-        (one stack per run of forwards of equal size), not a few per forward."""
+        (one stack per run of forwards of equal size), not a few per forward. ``float_weights``
+        False: the weights stay in the router's dtype (:meth:`with_float_weights` casts them)."""
         def join(field: int) -> torch.Tensor | None:
             if steps[0].outputs[0][field] is None:
                 return None
@@ -96,7 +97,15 @@ class StepRouting:
         ahead = None
         if steps[0].ahead is not None:
             ahead = stack_layers([s.ahead for s in steps])
-        return cls(experts=join(2), weights=join(1).float(), logits=join(0), lookahead=ahead)
+        weights = join(1)
+        return cls(experts=join(2), weights=weights.float() if float_weights else weights, logits=join(0),
+                   lookahead=ahead)
+
+    def with_float_weights(self) -> StepRouting:
+        """This routing with float32 weights (itself where they are)."""
+        if self.weights.dtype == torch.float32:
+            return self
+        return StepRouting(self.experts, self.weights.float(), self.logits, self.lookahead)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors held (those not None)."""
