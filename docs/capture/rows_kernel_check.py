@@ -35,6 +35,57 @@ result: dict = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
                          "batch_16_pinned": hashes(s, replace(s.base, shared_rows=False), runs),
                          "batch_1": hashes(s, replace(s.base, batch_size=1), runs, s.windows[:48])}}
 result["equal"] = {mode: equal(runs) for mode, runs in result["runs"].items()}
+
+
+def kernel_times(repeats: int = 40) -> dict:
+    """Device ms per launch of the kernel on one forward's stacked routing (batch 16, 512 tokens,
+    the shape's layers and experts, top-64), writing into device memory and into host memory
+    registered with the device; and the calling thread's CPU ms per launch."""
+    import time
+
+    import numpy as np
+
+    from traces.capture.capture import _registered
+    from traces.capture.writer import _lend_slab
+
+    n, L, E, k, r = 16 * 512, len(s.sites), s.sites[0].num_experts, s.sites[0].top_k, 64
+    logits = torch.randn(n, L, E, device="cuda").to(torch.bfloat16)
+    experts = torch.rand(n, L, E, device="cuda").argsort(-1)[..., :k].contiguous()
+    weights = torch.rand(n, L, k, device="cuda").to(torch.bfloat16)
+    shapes = {"logits": ((n, L, r), torch.float16), "logit_ids": ((n, L, r), torch.int16),
+              "experts": ((n, L, k), torch.int16), "weights": ((n, L, k), torch.float32)}
+    device = {name: torch.empty(shape, dtype=dt, device="cuda") for name, (shape, dt) in shapes.items()}
+    nbytes = sum(int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in shapes.values())
+    slab = _lend_slab(nbytes + 4096)
+    registered = _registered(slab)
+    host, offset = {}, 0
+    for name, (shape, dt) in shapes.items():
+        size = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
+        host[name] = torch.frombuffer(slab.map, dtype=torch.uint8, count=size, offset=offset).view(dt).view(shape)
+        offset += -(-size // 64) * 64
+    found = {"registered": registered}
+    for where, out in (("device", device), ("registered host", host)):
+        top_r.stored_rows(logits, experts, weights, None, out)  # compiled, warm
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cpu = time.thread_time()
+        start.record()
+        for _ in range(repeats):
+            top_r.stored_rows(logits, experts, weights, None, out)
+        end.record()
+        cpu = time.thread_time() - cpu
+        end.synchronize()
+        found[where] = {"device_ms": round(start.elapsed_time(end) / repeats, 3),
+                        "host_cpu_ms": round(1000 * cpu / repeats, 3)}
+    same = all(torch.equal(device[name].cpu().view(torch.int16 if device[name].element_size() == 2 else torch.int32),
+                           host[name].view(torch.int16 if host[name].element_size() == 2 else torch.int32))
+               for name in shapes)
+    found["same_values"] = same
+    return found
+
+
+if torch.cuda.is_available():
+    result["kernel"] = kernel_times()
 result["kernel_launches"] = len(launches)
 result["kernel_failed"] = list(top_r._ROWS_FAILED)  # a failure falls back to the steps: equal, but not a test
 atomic_write_text(out / "rows_kernel_check.json", json.dumps(result, indent=1) + "\n")
