@@ -691,7 +691,7 @@ def test_a_stored_rows_kernel_that_fails_leaves_the_steps_once_with_a_warning(mo
     monkeypatch.setattr(top_r, "_ROWS_FAILED", [])
     monkeypatch.setattr(top_r, "uses_rows_kernel", lambda logits: not top_r._ROWS_FAILED)
     with pytest.warns(RuntimeWarning, match="stored-rows kernel failed .*no compiler.*step by step instead"):
-        got = record(model, wins, logits="top:5", batch_size=2)
+        got = record(model, wins, logits="top:5", batch_size=2, rows_kernel=True)
     assert len(launches) == 1 and top_r._ROWS_FAILED == ["RuntimeError: no compiler for this GPU"]
     for name, value in want.columns().items():
         if value is None:
@@ -949,7 +949,7 @@ def test_bench_compares_the_stored_rows_kernel_with_the_steps_in_the_same_rounds
     # per pass (a warm-up and a round): a hooks pass and a capture pass of each setting
     assert sorted(calls) == sorted([(True, False), (False, False), (True, True), (False, True)] * 2)
     rows = [line.split("|")[3] for line in capsys.readouterr().out.splitlines() if line.startswith("| top:64 |")]
-    assert ["stored columns step by step" in row for row in rows] == [False, True]
+    assert ["stored columns in one launch" in row for row in rows] == [True, False]
 
 
 @pytest.mark.parametrize(("flag", "words"), [(["--writer", "processes,fork"], "--writer fork is not valid"),

@@ -275,7 +275,7 @@ def _narrow_enough(width: float, captures: list[str]):
 
 
 def _recording(stream: str, kernel: bool, block: int | None = None, per_block: int | None = None,
-               rows: bool = True) -> str:
+               rows: bool = False) -> str:
     """A recording's label; ``per_block``: the most forwards a block held, where a result says;
     ``rows``: the stored-rows kernel asked for (``rows_kernel``)."""
     if block is None:
@@ -287,7 +287,7 @@ def _recording(stream: str, kernel: bool, block: int | None = None, per_block: i
     else:
         held = f", forwards held in blocks of {block:,} tokens" + (f" (up to {per_block})" if per_block else "")
     return (f"recording on the {stream} stream" + ("" if kernel else ", top-R by sorts")
-            + ("" if rows or not kernel else ", stored columns step by step") + held)
+            + (", stored columns in one launch" if rows and kernel else "") + held)
 
 
 def _mode(writer: str, stream: str, kernel: bool, block: int, rows: bool) -> str:
@@ -471,7 +471,7 @@ def overhead_table(bench: dict) -> list[str]:
             encoders += ", rows shared in place" if r["shared_rows"] else ", rows copied"
         if "recording_stream" in r:
             label = _recording(r["recording_stream"], r.get("top_r_kernel", True), r.get("record_block_tokens"),
-                               r.get("record_block_forwards"), r.get("rows_kernel", True))
+                               r.get("record_block_forwards"), r.get("rows_kernel", False))
             encoders += f", {label}"
         lines.append(
             f"| {r.get('logits', bench.get('logits'))} | {r.get('lookahead', 'none')} | {encoders} | {r['batch_size']} | "

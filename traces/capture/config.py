@@ -94,8 +94,10 @@ class CaptureConfig:
     # top R with their ids, the experts as int16, the weights as float32) written by one Triton
     # kernel straight into the trace writer's shared memory (traces/capture/top_r.py), instead of
     # casts, the top-R kernel and a copy per column, each a launch on the thread that drives the
-    # model. The same rows either way
-    rows_kernel: bool = True
+    # model. The same rows either way. Off by default: on an H100 host it made the recording alone
+    # 0.98-1.00x as long, round by round, and the capture 0.96-1.01x, within that host's noise
+    # (docs/CAPTURE.md, runs 1207ai and 1207aj)
+    rows_kernel: bool = False
     # teacher_forced: the recording holds the routing of consecutive forwards up to this many
     # tokens (and RECORD_BLOCK_BYTES of device memory, traces/capture/capture.py), then stacks it,
     # selects the stored forms and hands the rows on in one go: its host work per forward (a few
