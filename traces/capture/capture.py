@@ -523,15 +523,15 @@ def _hand_on(held: list[_Forward], prefill_tokens: int, drain, stored, device, r
     slots = None if slots_np is None else torch.from_numpy(slots_np).to(device)
     nlls = [f.nll for f in held]
     windows = [w for f in held for w in f.windows]
-    host = _host_columns(windows, np.concatenate([f.lengths for f in held]), prefill_tokens)
-    if rows_r and top_r.uses_rows_kernel(routing.logits):
-        _put_rows(host, routing, slots, nlls, rows_r, drain, stored)
+    lengths = np.concatenate([f.lengths for f in held])
+    if rows_r and top_r.uses_rows_kernel(routing.logits):  # the rows' memory lent first: the launch writes there
+        _put_rows(_host_columns(windows, lengths, prefill_tokens), routing, slots, nlls, rows_r, drain, stored)
         return
     routing = routing.with_float_weights()
     with drain.beside(*routing.tensors(), slots):
         dev = stored(routing, slots)
         dev["nll"] = _real(torch.cat(nlls) if len(nlls) > 1 else nlls[0], slots)
-    drain.put(host, dev)
+    drain.put(_host_columns(windows, lengths, prefill_tokens), dev)
 
 
 def _put_rows(host: dict[str, np.ndarray], routing: StepRouting, slots: torch.Tensor | None,
